@@ -1,0 +1,41 @@
+# Two commands on a fresh machine with only Python 3 and pip:  make train  then  make test
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.mmtrain-installed
+DATA   ?= data/shapes
+CONFIG ?= configs/tiny.yaml
+RUN    ?= runs/tiny
+TORCH_CPU := torch==2.13.0
+
+.PHONY: install data train test lint bench clean
+
+# A venv with mmtrain installed editable. A torch already present (e.g. a CUDA build) is kept;
+# otherwise the CPU wheel is installed first, so pip never pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_CPU)
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+$(DATA)/manifest.json: | $(STAMP)
+	$(BIN)/mmtrain data synth --out $(DATA)
+
+data: $(DATA)/manifest.json
+
+train: $(STAMP) $(DATA)/manifest.json
+	$(BIN)/mmtrain train $(CONFIG) --run-dir $(RUN)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: $(STAMP) $(DATA)/manifest.json
+	$(BIN)/python -m tools.bench.bench_loader --data $(DATA)
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

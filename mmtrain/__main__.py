@@ -1,0 +1,3 @@
+from mmtrain.cli import main
+
+raise SystemExit(main())

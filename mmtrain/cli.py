@@ -1,0 +1,49 @@
+"""`mmtrain` command line: `train`, `data synth|write|inspect`.
+
+User mistakes (bad config, missing data, unwritable paths) print one line and exit 2; anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from data_pipelines.errors import DataError
+from mmtrain.errors import UserError
+
+
+def run_guarded(fn: Callable[[], int]) -> int:
+    try:
+        return fn()
+    except (UserError, DataError) as e:
+        print(f"mmtrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mmtrain: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from data_pipelines import cli as data_cli
+    from mmtrain import train
+
+    parser = argparse.ArgumentParser(prog="mmtrain", description="joint text + image + video pretraining")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_train = sub.add_parser("train", help="train a run config (resumes from RUN_DIR's latest checkpoint)")
+    train.add_arguments(p_train)
+    p_train.set_defaults(func=train.run)
+    p_data = sub.add_parser("data", help="write, synthesise and inspect webdataset shards")
+    data_cli.add_commands(p_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run_guarded(lambda: args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Run logging: TensorBoard scalars, a live progress line with ETA, and a plain log file."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+class RunLogger:
+    """Rank 0 writes TensorBoard and the console; every rank may keep its own text log."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool = True):
+        self.enabled = enabled
+        self.console = Console(stderr=False, highlight=False)
+        self.total_steps = total_steps
+        self._tb = None
+        self._progress = None
+        self._task = None
+        self._last_plain = 0.0
+        self._logfile = open(run_dir / "train.log", "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+        if self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(bar_width=24),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(elapsed_when_finished=True),
+                console=self.console,
+                transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, step)
+
+    def progress(self, step: int, info: str) -> None:
+        """Update the live line; without a terminal, print a plain line at most every 10 s."""
+        self._logfile.write(f"step {step}: {info}\n")
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, info=info)
+        elif time.monotonic() - self._last_plain > 10 or step == self.total_steps:
+            self._last_plain = time.monotonic()
+            print(f"step {step}/{self.total_steps}  {info}", flush=True)
+
+    def info(self, message: str) -> None:
+        self._logfile.write(message + "\n")
+        self._logfile.flush()
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(message)
+        else:
+            print(message, file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        self._logfile.close()

@@ -1,0 +1,39 @@
+"""The end-of-run table: per-modality loss at the start and the end, and the reliance gaps."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from data_pipelines.batch import TASK_NAMES
+
+
+def summary_table(summary: dict) -> Table:
+    start, end = summary["start"], summary["end"]
+    table = Table(title=f"{summary['run_dir']}: step {start['step']} -> {end['step']} (val split)")
+    for col in ("modality", "loss start", "loss end", "acc end", "reliance gap start", "reliance gap end"):
+        table.add_column(col, justify="left" if col == "modality" else "right")
+    for task in TASK_NAMES:
+        if task not in end["loss"]:
+            continue
+        gap_s, gap_e = start["reliance_gap"].get(task), end["reliance_gap"].get(task)
+        table.add_row(
+            task,
+            f"{start['loss'].get(task, float('nan')):.3f}",
+            f"{end['loss'][task]:.3f}",
+            f"{end['accuracy'][task]:.1%}",
+            "-" if gap_s is None else f"{gap_s:+.3f}",
+            "-" if gap_e is None else f"{gap_e:+.3f}",
+        )
+    return table
+
+
+def print_summary(summary: dict, seconds: float | None = None) -> None:
+    console = Console(highlight=False)
+    console.print(summary_table(summary))
+    extra = f" in {seconds / 60:.1f} min" if seconds is not None else ""
+    console.print(
+        f"{summary['steps']} steps, {summary['tokens_seen']:,} tokens{extra}; "
+        f"data wait {summary['data_wait_fraction']:.1%} of step time; "
+        f"skipped steps {summary['skipped_steps']}; checkpoint {summary['checkpoint']}"
+    )

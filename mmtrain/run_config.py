@@ -1,0 +1,93 @@
+"""The run config: one YAML file = one run. Components own their dataclasses; this composes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from data_pipelines.config import DataConfig
+from models.config import ModelConfig
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 50  # linear warmup, then cosine to min_lr_ratio * lr
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"lr: must be > 0 (got {self.lr})")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay: must be >= 0 (got {self.weight_decay})")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: each must be in [0, 1) (got {list(self.betas)})")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps: must be >= 0 (got {self.warmup_steps})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio: must be in [0, 1] (got {self.min_lr_ratio})")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip: must be >= 0 (got {self.grad_clip})")
+
+
+@dataclass
+class LossConfig:
+    """Per-modality loss weights (the static balancer) and the stability terms."""
+
+    text: float = 1.0
+    image_text: float = 1.0
+    video_text: float = 1.0
+    z_loss: float = 1e-4  # weight of mean(logsumexp(logits)^2) over trained tokens
+    balancer: Literal["static"] = "static"
+
+    def __post_init__(self):
+        for name in ("text", "image_text", "video_text", "z_loss"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000  # optimizer steps
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # autocast dtype on CUDA; CPU trains in fp32
+    threads: int = 0  # torch intra-op threads on CPU; 0 keeps torch's default
+    log_every: int = 10
+    eval_every: int = 0  # 0: evaluate only at the start and the end
+    eval_batches: int = 0  # 0: the whole val split
+    ckpt_every: int = 200  # 0: only the final checkpoint
+    keep_last: int = 2
+    max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops
+
+    def __post_init__(self):
+        for name in ("steps", "grad_accum", "log_every", "keep_last", "max_skipped_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        for name in ("threads", "eval_every", "eval_batches", "ckpt_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/default"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        media, vision = self.data.media, self.model.vision
+        for name in ("patch_size", "temporal_patch", "merge"):
+            if getattr(media, name) != getattr(vision, name):
+                raise ValueError(
+                    f"model.vision.{name}: must equal data.media.{name} "
+                    f"({getattr(vision, name)} != {getattr(media, name)})"
+                )
