@@ -13,8 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 class RunLogger:
     """Rank 0 writes TensorBoard and the console; every rank may keep its own text log."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, console: bool = True):
+        self.enabled = console
         self.console = Console(stderr=False, highlight=False)
         self.total_steps = total_steps
         self._tb = None
@@ -22,12 +22,10 @@ class RunLogger:
         self._task = None
         self._last_plain = 0.0
         self._logfile = open(run_dir / "train.log", "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        if not enabled:
-            return
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
-        if self.console.is_terminal:
+        if console and self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]train"),
                 BarColumn(bar_width=24),

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from data_pipelines.config import DataConfig
-from models.config import ModelConfig
+from models.multimodal import ModelConfig
 
 
 @dataclass

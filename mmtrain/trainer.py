@@ -116,7 +116,7 @@ class Trainer:
     # ----- training ----------------------------------------------------------------------
     def fit(self) -> dict:
         cfg = self.cfg.train
-        log = RunLogger(self.run_dir, cfg.steps, self.step, enabled=self.verbose)
+        log = RunLogger(self.run_dir, cfg.steps, self.step, console=self.verbose)
         try:
             if self.resumed_from is not None:
                 log.info(f"resumed from {self.resumed_from} at step {self.step}")
@@ -161,9 +161,9 @@ class Trainer:
             if self.cfg.loss.z_loss:
                 loss = loss + self.cfg.loss.z_loss * z_loss(out.logits_BSV, batch.labels_BS)
             (loss / accum).backward()
-            total += float(loss) / accum
+            total += float(loss.detach()) / accum
             for t in TASK_NAMES:
-                task_sum[t] += float(losses.loss_sum[t])
+                task_sum[t] += float(losses.loss_sum[t].detach())
                 task_count[t] += int(losses.count[t])
         grad_norm = self._clip_grads()
         skipped = not (math.isfinite(total) and math.isfinite(grad_norm))
