@@ -1,0 +1,97 @@
+"""Data config: sources, media preprocessing, loader knobs (one dataclass per component)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SourceConfig:
+    """One weighted source: shard specs (paths, globs, brace ranges, `pipe:` commands)."""
+
+    name: str = "data"
+    shards: list[str] = field(default_factory=list)
+    weight: float = 1.0  # relative share of documents drawn from this source
+
+    def __post_init__(self):
+        if not self.name:
+            raise ValueError(f"name: must be non-empty (got {self.name!r})")
+        if not self.weight > 0:
+            raise ValueError(f"weight: must be > 0 (got {self.weight})")
+
+
+@dataclass
+class MediaConfig:
+    patch_size: int = 8
+    temporal_patch: int = 2  # frames per tubelet; an image is one frame repeated this often
+    merge: int = 2  # spatial merge of the vision encoder: H and W are multiples of patch*merge
+    min_pixels: int = 32 * 32  # per frame, after resize
+    max_pixels: int = 128 * 128
+    video_fps: float = 2.0  # frames sampled per second of video (uniform in time)
+    video_min_frames: int = 2
+    video_max_frames: int = 8
+    mean: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)  # CLIP statistics
+    std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
+    max_image_pixels: int = 40_000_000  # decoded-size limit (decompression bombs); larger -> skipped
+
+    def __post_init__(self):
+        for name in ("patch_size", "temporal_patch", "merge", "video_min_frames", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        factor = self.patch_size * self.merge
+        if self.min_pixels < factor * factor:
+            raise ValueError(f"min_pixels: must be >= (patch_size*merge)^2 = {factor * factor} "
+                             f"(got {self.min_pixels})")
+        if self.max_pixels < self.min_pixels:
+            raise ValueError(f"max_pixels: must be >= min_pixels {self.min_pixels} (got {self.max_pixels})")
+        if self.video_max_frames % self.temporal_patch:
+            raise ValueError(f"video_max_frames: must be a multiple of temporal_patch {self.temporal_patch} "
+                             f"(got {self.video_max_frames})")
+        if not self.video_fps > 0:
+            raise ValueError(f"video_fps: must be > 0 (got {self.video_fps})")
+        if self.video_max_frames < self.video_min_frames:
+            raise ValueError(f"video_max_frames: must be >= video_min_frames {self.video_min_frames} "
+                             f"(got {self.video_max_frames})")
+        if len(self.mean) != 3 or len(self.std) != 3:
+            raise ValueError(f"mean/std: need 3 values each (got {self.mean}, {self.std})")
+        if not all(s > 0 for s in self.std):
+            raise ValueError(f"std: every value must be > 0 (got {list(self.std)})")
+
+    @property
+    def factor(self) -> int:
+        """H and W of every resized frame are multiples of this."""
+        return self.patch_size * self.merge
+
+
+@dataclass
+class DataConfig:
+    train: list[SourceConfig] = field(default_factory=list)
+    val: list[SourceConfig] = field(default_factory=list)
+    tokenizer: str = "byte"  # "byte" or a HF tokenizers JSON path (or a directory holding tokenizer.json)
+    seq_len: int = 1024  # tokens per packed row (text + one placeholder per merged visual token)
+    batch_size: int = 8  # rows per batch
+    num_workers: int = 2  # loader processes per rank; 0 = in the main process
+    prefetch_factor: int = 2  # batches each worker keeps ready
+    shuffle_buffer: int = 256  # train samples per source kept for shuffling (0: stream order)
+    resample: bool = False  # train: draw shards with replacement forever (else epochs of split shards)
+    pack_lookahead: int = 16  # documents the packer may look ahead to fill a row
+    max_failure_rate: float = 0.1  # skipped / read samples above this (per worker) aborts the run
+    min_samples_for_failure_rate: int = 200  # the rate is judged only after this many samples
+    seed: int = 0
+    media: MediaConfig = field(default_factory=MediaConfig)
+
+    def __post_init__(self):
+        for name in ("seq_len", "batch_size", "prefetch_factor", "pack_lookahead"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        if self.seq_len < 8:
+            raise ValueError(f"seq_len: must be >= 8 (got {self.seq_len})")
+        for name in ("num_workers", "shuffle_buffer", "min_samples_for_failure_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
+        if not 0 <= self.max_failure_rate <= 1:
+            raise ValueError(f"max_failure_rate: must be in [0, 1] (got {self.max_failure_rate})")
+        for split in ("train", "val"):
+            names = [s.name for s in getattr(self, split)]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{split}: source names must be unique (got {names})")

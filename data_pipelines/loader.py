@@ -1,0 +1,297 @@
+"""The loader the trainer uses: sources -> mixture -> packer -> PackedBatch, exactly resumable.
+
+Resume design. Every stage inside a worker is a deterministic function of (seed, rank, logical
+worker, epoch) plus a small cursor (`WorkerPipeline.state_dict`). A worker attaches its state
+after each batch (and the ledger entries it added) to the batch it yields. The main process
+keeps the last state per logical worker and which worker comes next: torch's DataLoader hands
+out batches round-robin over its workers, starting at worker 0, so on resume DataLoader worker
+j runs logical worker (j + next) % num_workers from its saved state. Buffered samples and the
+documents the packer held are re-read from their shards, never pickled.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from data_pipelines.batch import TEXT, PackedBatch
+from data_pipelines.config import DataConfig
+from data_pipelines.errors import DataError
+from data_pipelines.ledger import Ledger
+from data_pipelines.mixing import Mixer
+from data_pipelines.packing import Packer, assemble
+from data_pipelines.rng import CounterRng
+from data_pipelines.shards import ShardPlan, expand_shards
+from data_pipelines.stream import SourceStream, fetch
+from data_pipelines.tokenizer import Tokenizer
+
+STATE_VERSION = 1
+
+
+@dataclass
+class _Source:
+    name: str
+    urls: list[str]
+    weight: float
+
+
+@dataclass
+class _Wire:
+    """A batch in transit from a worker (a dataclass: DataLoader's collation leaves it alone)."""
+
+    buf: torch.Tensor
+    specs: list
+
+
+def to_wire(batch: PackedBatch) -> _Wire:
+    """All tensors of a batch in ONE shared-memory buffer: a worker then sends one segment per
+    batch instead of eleven (torch shares each tensor separately, and that dominated IPC)."""
+    specs, total = [], 0
+    for f in fields(batch):
+        t = getattr(batch, f.name)
+        offset = -(-total // 64) * 64  # aligned, so every dtype can view its slice
+        specs.append((f.name, t.dtype, tuple(t.shape), offset, t.numel() * t.element_size()))
+        total = offset + specs[-1][-1]
+    buf = torch.empty(total, dtype=torch.uint8).share_memory_()
+    flat = buf.numpy()
+    for (name, _, _, offset, nbytes) in specs:
+        flat[offset : offset + nbytes] = getattr(batch, name).numpy().reshape(-1).view(np.uint8)
+    return _Wire(buf, specs)
+
+
+def from_wire(w: _Wire) -> PackedBatch:
+    return PackedBatch(**{name: w.buf[offset : offset + nbytes].view(dtype).view(shape)
+                          for name, dtype, shape, offset, nbytes in w.specs})
+
+
+@dataclass
+class _Failure:
+    """A DataError raised in a worker, carried to the main process as a value (one clean line)."""
+
+    message: str
+
+
+class WorkerPipeline:
+    """What one (rank, logical worker) computes: an iterator of (batch, state, ledger entries)."""
+
+    def __init__(self, cfg: DataConfig, tok: Tokenizer, split: str, sources: list[_Source],
+                 rank: int, world_size: int, worker: int, num_workers: int, start: list | None = None):
+        self.cfg, self.tok, self.worker = cfg, tok, worker
+        train = split == "train"
+        self.delta: list[tuple[str, str, str]] = []
+        self.streams = []
+        for i, src in enumerate(sources):
+            plan = ShardPlan(src.urls, src.name, cfg.seed, rank, world_size, worker, num_workers,
+                             shuffle=train, resample=train and cfg.resample, epochs=None if train else 1)
+            stream = SourceStream(i, plan, tok, cfg, cfg.shuffle_buffer if train else 0, self._ledger)
+            if start is not None:
+                stream.reader.cursor = tuple(start[i])
+            self.streams.append(stream)
+        self.mixer = Mixer([s.weight for s in sources], CounterRng(cfg.seed, "mix", rank, worker))
+        self.packer = Packer(cfg.seq_len, cfg.batch_size, cfg.pack_lookahead)
+        self.pack = Counter()
+        m = cfg.media
+        self.patch_dim = 3 * m.temporal_patch * m.patch_size * m.patch_size
+
+    def _ledger(self, shard: str, key: str, reason: str) -> None:
+        self.delta.append((shard, key, reason))
+
+    def _pull(self):
+        while (i := self.mixer.choose()) is not None:
+            doc = self.streams[i].next_doc()
+            if doc is not None:
+                self.mixer.took(i)
+                return doc
+            self.mixer.exhausted(i)
+        return None
+
+    def __iter__(self):
+        while (rows := self.packer.next_rows(self._pull)) is not None:
+            batch = assemble(rows, self.cfg.seq_len, self.tok.special.pad, self.patch_dim)
+            self._count(batch)
+            delta, self.delta = self.delta, []
+            yield batch, self.state_dict(), delta
+
+    def _count(self, batch: PackedBatch) -> None:
+        real = batch.task_BS.numpy() >= 0  # NumPy views: no torch thread pool in the loop
+        visual = int((real & (batch.modality_BS.numpy() != TEXT)).sum())
+        self.pack.update(batches=1, rows=batch.tokens_BS.shape[0], slots=batch.tokens_BS.numel(),
+                         tokens=int(real.sum()), visual_tokens=visual, media=len(batch.media_kind_M))
+
+    def state_dict(self) -> dict:
+        return {"worker": self.worker, "sources": [s.state_dict() for s in self.streams],
+                "mixer": self.mixer.state_dict(), "packer": [list(d.ident) for d in self.packer.pending],
+                "pack": dict(self.pack)}
+
+    def load_state_dict(self, state: dict) -> None:
+        pending = [(i, tuple(pos), chunk) for i, pos, chunk in state["packer"]]
+        for i, (stream, st) in enumerate(zip(self.streams, state["sources"])):
+            needed = stream.positions_needed(st) + [pos for j, pos, _ in pending if j == i]
+            raws = fetch(stream.plan, needed)
+            stream.load_state_dict(st, raws)
+            self.packer.pending += [stream.regenerate(ident, raws) for ident in pending if ident[0] == i]
+        self.packer.pending.sort(key=lambda d: pending.index(d.ident))
+        self.mixer.load_state_dict(state["mixer"])
+        self.pack = Counter(state["pack"])
+
+
+
+class _WorkerDataset(IterableDataset):
+    """What each DataLoader worker runs: logical worker (id + rotation) % num_workers."""
+
+    def __init__(self, make_pipeline, states: list, rotation: int):
+        self.make_pipeline, self.states, self.rotation = make_pipeline, states, rotation
+
+    def __iter__(self):
+        info = get_worker_info()
+        n = info.num_workers if info else 1
+        logical = ((info.id if info else 0) + self.rotation) % n
+        return self.make_pipeline(logical, self.states[logical])
+
+
+class Loader:
+    def __init__(self, cfg: DataConfig, tok: Tokenizer, split: str, rank: int, world_size: int,
+                 sources: list[_Source]):
+        self.cfg, self.tok, self.split, self.rank, self.world_size = cfg, tok, split, rank, world_size
+        self.sources = sources
+        self.num_workers = cfg.num_workers
+        self.ledger = Ledger()
+        self._reset()
+
+    def _reset(self, start: list | None = None) -> None:
+        self._states: list[dict | None] = [None] * max(1, self.num_workers)
+        self._next = 0
+        self._start = start  # per-source start cursors after a layout change (see load_state_dict)
+
+    def _pipeline(self, logical: int, state: dict | None):
+        """What one logical worker yields: (batch, state, ledger entries), or a _Failure item for a
+        DataError (a worker cannot raise one cleanly); from worker processes a batch travels as
+        one shared buffer (see to_wire)."""
+        try:
+            p = WorkerPipeline(self.cfg, self.tok, self.split, self.sources, self.rank, self.world_size,
+                               logical, max(1, self.num_workers), self._start)
+            if state is not None:
+                p.load_state_dict(state)
+            for batch, st, delta in p:
+                yield (to_wire(batch) if self.num_workers > 0 else batch), st, delta
+        except DataError as e:
+            yield _Failure(str(e))
+
+    def _items(self):
+        if self.num_workers == 0:
+            return self._pipeline(0, self._states[0])
+        ds = _WorkerDataset(self._pipeline, list(self._states), self._next)
+        return iter(DataLoader(ds, batch_size=None, num_workers=self.num_workers,
+                               prefetch_factor=self.cfg.prefetch_factor))
+
+    def __iter__(self):
+        if self.split == "val":  # one deterministic pass, the same every time
+            self._reset()
+            self.ledger = Ledger()
+        for item in self._items():
+            if isinstance(item, _Failure):
+                raise DataError(item.message)
+            batch, state, delta = item
+            if isinstance(batch, _Wire):
+                batch = from_wire(batch)
+            self._states[state["worker"]] = state
+            self._next = (state["worker"] + 1) % len(self._states)
+            self.ledger.extend(delta)
+            yield batch
+
+    # ----- state ----------------------------------------------------------------------------
+    def _layout(self) -> dict:
+        return {"split": self.split, "rank": self.rank, "world_size": self.world_size,
+                "num_workers": self.num_workers, "sources": [s.name for s in self.sources]}
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, **self._layout(), "next_worker": self._next,
+                "workers": list(self._states), "ledger": self.ledger.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise DataError(f"data state version {state.get('version')} is not {STATE_VERSION}")
+        self.ledger.load_state_dict(state["ledger"])
+        saved = {k: state[k] for k in self._layout()}
+        if saved != self._layout():
+            self._reset(start=_next_epoch_cursors(state, self.sources, self.cfg.resample))
+            warnings.warn(f"data layout changed since the checkpoint ({saved} -> {self._layout()}): "
+                          "exact resume is impossible, every source restarts at its next epoch", stacklevel=2)
+            return
+        self._states = list(state["workers"])
+        self._next = state["next_worker"]
+        self._start = None
+
+    def stats(self) -> dict:
+        return summarize(self.sources, [s for s in self._states if s is not None])
+
+
+def _next_epoch_cursors(state: dict, sources: list[_Source], resample: bool) -> list | None:
+    """Start cursors past everything the saved state read (epoch + 1; resample: next shard draw)."""
+    names = state.get("sources", [])
+    workers = [w for w in state.get("workers", []) if w is not None]
+    out = []
+    for src in sources:
+        cursors = [w["sources"][names.index(src.name)]["cursor"] for w in workers if src.name in names]
+        if not cursors:
+            out.append((0, 0, 0))
+        elif resample:
+            out.append((0, max(c[1] for c in cursors) + 1, 0))
+        else:
+            out.append((max(c[0] for c in cursors) + 1, 0, 0))
+    return out
+
+
+def summarize(sources: list[_Source], states: list[dict]) -> dict:
+    """Loader stats from the workers' latest states (they carry cumulative counters)."""
+    per_source, pack = {}, Counter()
+    for st in states:
+        pack.update(st["pack"])
+    for i, src in enumerate(sources):
+        agg = {"seen": 0, "ok": 0, "docs": 0, "text_tokens": 0, "visual_tokens": 0, "max_doc_tokens": 0,
+               "skipped": Counter(), "kinds": Counter(), "kind_tokens": Counter()}
+        for st in states:
+            s = st["sources"][i]["stats"]
+            for k in ("seen", "ok", "docs", "text_tokens", "visual_tokens"):
+                agg[k] += s[k]
+            agg["max_doc_tokens"] = max(agg["max_doc_tokens"], s["max_doc_tokens"])
+            agg["skipped"].update(s["skipped"])
+            agg["kinds"].update(s["kinds"])
+            agg["kind_tokens"].update(s["kind_tokens"])
+        per_source[src.name] = {k: dict(v) if isinstance(v, Counter) else v for k, v in agg.items()}
+    docs = sum(s["docs"] for s in per_source.values())
+    total_w = sum(s.weight for s in sources)
+    mixture = {s.name: {"target": s.weight / total_w, "realised": per_source[s.name]["docs"] / max(docs, 1)}
+               for s in sources}
+    return {
+        "sources": per_source,
+        "samples": sum(s["seen"] for s in per_source.values()),
+        "kinds": dict(sum((Counter(s["kinds"]) for s in per_source.values()), Counter())),
+        "kind_tokens": dict(sum((Counter(s["kind_tokens"]) for s in per_source.values()), Counter())),
+        "skipped": dict(sum((Counter(s["skipped"]) for s in per_source.values()), Counter())),
+        "mixture": mixture,
+        "batches": pack["batches"],
+        "media": pack["media"],
+        "tokens": {"text": pack["tokens"] - pack["visual_tokens"], "visual": pack["visual_tokens"],
+                   "padding": pack["slots"] - pack["tokens"]},
+        "packing_efficiency": pack["tokens"] / pack["slots"] if pack["slots"] else 0.0,
+    }
+
+
+def build_loader(cfg: DataConfig, tokenizer: Tokenizer, split: Literal["train", "val"],
+                 rank: int = 0, world_size: int = 1) -> Loader:
+    if split not in ("train", "val"):
+        raise ValueError(f"split: must be 'train' or 'val' (got {split!r})")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: must be in [0, world_size={world_size}) (got {rank})")
+    configs = cfg.train if split == "train" else cfg.val
+    if not configs:
+        raise DataError(f"data.{split}: no sources configured")
+    sources = [_Source(s.name, expand_shards(s.shards, s.name), s.weight) for s in configs]
+    return Loader(cfg, tokenizer, split, rank, world_size, sources)

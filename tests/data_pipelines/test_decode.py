@@ -1,0 +1,115 @@
+import io
+
+import numpy as np
+import pytest
+from dp_shards import image_bytes, small_media, video_bytes
+from PIL import Image
+
+from data_pipelines.decode import decode_image, decode_text, decode_video, sample_frame_indices
+from data_pipelines.ledger import SkipSample
+
+
+def _png(im: Image.Image, **save) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format="PNG", **save)
+    return buf.getvalue()
+
+
+def _reason(fn, *args) -> str:
+    with pytest.raises(SkipSample) as e:
+        fn(*args)
+    return e.value.reason
+
+
+MEDIA = small_media()
+
+
+# ----- images ---------------------------------------------------------------------------------
+def test_palette_and_grey_modes_become_rgb():
+    rgb = np.random.default_rng().integers(0, 256, (9, 7, 3), dtype=np.uint8)
+    p = Image.fromarray(rgb).quantize(16)
+    out = decode_image(_png(p), MEDIA)
+    assert out.shape == (9, 7, 3) and out.dtype == np.uint8
+    np.testing.assert_array_equal(out, np.asarray(p.convert("RGB")))
+    grey = Image.fromarray(rgb[..., 0])
+    np.testing.assert_array_equal(decode_image(_png(grey), MEDIA), np.repeat(rgb[..., :1], 3, axis=2))
+
+
+def test_alpha_composites_on_grey():
+    rgba = np.zeros((4, 5, 4), np.uint8)
+    rgba[..., 0] = 200
+    rgba[0, :, 3] = 255  # first row opaque red, the rest fully transparent
+    out = decode_image(_png(Image.fromarray(rgba, "RGBA")), MEDIA)
+    assert out[0, 0].tolist() == [200, 0, 0] and out[2, 2].tolist() == [128, 128, 128]
+    la = Image.fromarray(rgba[..., [0, 3]], "LA")
+    out = decode_image(_png(la), MEDIA)
+    assert out[0, 0].tolist() == [200] * 3 and out[3, 4].tolist() == [128] * 3
+    p = Image.new("P", (3, 3), 1)
+    p.putpalette([0, 0, 0, 255, 255, 255] + [0] * 762)
+    assert decode_image(_png(p, transparency=1), MEDIA)[1, 1].tolist() == [128] * 3
+
+
+def test_cmyk_jpeg_and_16_bit_png():
+    cmyk = Image.new("CMYK", (8, 8), (0, 255, 255, 0))  # red
+    buf = io.BytesIO()
+    cmyk.save(buf, format="JPEG", quality=95)
+    r, g, b = decode_image(buf.getvalue(), MEDIA)[4, 4].tolist()
+    assert r > 200 and g < 60 and b < 60
+    v16 = np.array([[0, 257 * 100], [65535, 257 * 7]], np.uint16)
+    out = decode_image(_png(Image.fromarray(v16)), MEDIA)
+    assert out[..., 0].tolist() == [[0, 100], [255, 7]]
+
+
+def test_exif_orientation_is_applied():
+    arr = np.zeros((10, 20, 3), np.uint8)
+    arr[0, 0] = 255  # a white corner pixel, top-left as stored
+    im = Image.fromarray(arr)
+    exif = im.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    buf = io.BytesIO()
+    im.save(buf, format="PNG", exif=exif)
+    out = decode_image(buf.getvalue(), MEDIA)
+    assert out.shape == (20, 10, 3) and out[0, -1].tolist() == [255] * 3
+
+
+def test_bad_images_are_skipped_with_reasons():
+    good = image_bytes(30, 30, fmt="JPEG")
+    assert _reason(decode_image, good[: len(good) // 2], MEDIA) == "corrupt_image"
+    assert _reason(decode_image, b"not an image at all", MEDIA) == "corrupt_image"
+    assert _reason(decode_image, good, small_media(max_image_pixels=899)) == "too_large"
+    assert decode_image(good, small_media(max_image_pixels=900)).shape == (30, 30, 3)
+
+
+def test_text_must_be_utf8_and_non_empty():
+    assert decode_text("\ufeff héllo \n".encode()) == "héllo"
+    assert _reason(decode_text, b"\xff\xfe\xfa") == "bad_text"
+    assert _reason(decode_text, b"  \n") == "empty_text"
+
+
+# ----- video ----------------------------------------------------------------------------------
+def test_frame_sampling_rate_clamp_and_temporal_padding():
+    m = small_media(video_fps=2.0, video_min_frames=2, video_max_frames=8, temporal_patch=2)
+    assert sample_frame_indices(16, 8.0, m) == [2, 6, 10, 14]  # 2 s at 2 fps, uniform in time
+    assert sample_frame_indices(80, 8.0, m) == [5 + 10 * i for i in range(8)]  # clamped to 8
+    assert sample_frame_indices(3, 8.0, m) == [0, 2]  # clamped up to 2
+    m3 = small_media(video_fps=3.0, video_min_frames=3, video_max_frames=8)
+    assert sample_frame_indices(8, 8.0, m3) == [1, 4, 6, 6]  # 3 frames, padded with the last
+
+
+def test_video_decodes_the_sampled_frames():
+    m = small_media(video_fps=4.0, video_min_frames=2, video_max_frames=4)
+    data = video_bytes(frames=8, h=32, w=32, fps=8, values=[10 + 25 * t for t in range(8)])
+    out = decode_video(data, m)  # 1 s at 4 fps -> frames 1, 3, 5, 7
+    assert out.shape == (4, 32, 32, 3)
+    np.testing.assert_allclose(out[:, 16, 16, 0], [35, 85, 135, 185], atol=4)
+
+
+def test_video_of_a_size_decord_mis_decodes_falls_back():
+    out = decode_video(video_bytes(frames=4, h=32, w=48, fps=4), small_media(video_max_frames=4))
+    assert out.shape[1:] == (32, 48, 3) and len(out) % 2 == 0
+
+
+def test_bad_videos_are_skipped():
+    good = video_bytes(4)
+    for bad in (b"", b"garbage" * 50, good[: len(good) // 3]):
+        assert _reason(decode_video, bad, MEDIA) == "corrupt_video"

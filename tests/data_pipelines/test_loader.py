@@ -1,0 +1,162 @@
+import itertools
+import re
+from dataclasses import fields
+
+import pytest
+import torch
+from dp_shards import bad_shards as make_bad_shards
+from dp_shards import data_cfg, mixed_samples, text_shards, write_tar
+
+from data_pipelines.config import SourceConfig
+from data_pipelines.errors import DataError
+from data_pipelines.loader import WorkerPipeline, _Source, build_loader
+from data_pipelines.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+def _labels(batch) -> list[str]:
+    """The "t-<shard>-<i>" names of the text documents in a batch."""
+    text = TOK.decode(batch.tokens_BS.reshape(-1).tolist())
+    return re.findall(r"<\|bos\|>([a-z]+-\d+-\d+)", text)
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(getattr(a, f.name), getattr(b, f.name)) for f in fields(a))
+
+
+# ----- distribution ---------------------------------------------------------------------------
+@pytest.mark.parametrize("n_shards", [8, 3])  # 3 < ranks x workers: split by sample within shards
+def test_ranks_and_workers_partition_an_epoch(tmp_path, n_shards):
+    urls = text_shards(tmp_path, n_shards, 7)
+    cfg = data_cfg(val=urls, seq_len=32, batch_size=2)
+    sources = [_Source("v", urls, 1.0)]
+    got = []
+    for rank in range(2):
+        for worker in range(2):
+            pipe = WorkerPipeline(cfg, TOK, "val", sources, rank, 2, worker, 2)
+            got += [name for batch, _, _ in pipe for name in _labels(batch)]
+    assert sorted(got) == sorted(f"t-{s}-{i}" for s in range(n_shards) for i in range(7))
+
+
+def test_real_workers_and_ranks_cover_the_val_split_once(tmp_path):
+    urls = text_shards(tmp_path, 5, 6)
+    cfg = data_cfg(val=urls, seq_len=32, batch_size=2, num_workers=2)
+    got = [n for rank in range(2) for b in build_loader(cfg, TOK, "val", rank, 2) for n in _labels(b)]
+    assert sorted(got) == sorted(f"t-{s}-{i}" for s in range(5) for i in range(6))
+
+
+def test_val_is_one_deterministic_pass(tmp_path):
+    write_tar(tmp_path / "m.tar", mixed_samples(12))
+    loader = build_loader(data_cfg(val=[str(tmp_path / "m.tar")]), TOK, "val")
+    first, second = list(loader), list(loader)
+    assert len(first) == len(second) > 0 and all(_same(a, b) for a, b in zip(first, second))
+    st = loader.stats()
+    assert st["samples"] == 12 and st["kinds"] == {"text": 3, "image": 3, "video": 3, "interleaved": 3}
+    assert 0 < st["packing_efficiency"] <= 1 and st["tokens"]["visual"] > 0 and st["media"] == 9
+
+
+# ----- resume -----------------------------------------------------------------------------------
+def _mixed_cfg(tmp_path, **kw):
+    a = [write_tar(tmp_path / f"a{i}.tar", mixed_samples(8, tag=f"a{i}")) for i in range(2)]
+    b = text_shards(tmp_path, 2, 6, prefix="b")
+    cfg = data_cfg(train=a, **kw)
+    cfg.train = [SourceConfig("a", a, 2.0), SourceConfig("b", b, 1.0)]
+    return cfg
+
+
+@pytest.mark.parametrize(("num_workers", "before"), [(0, 9), (2, 9), (2, 1)])
+def test_resume_replays_exactly_the_next_batches(tmp_path, num_workers, before):
+    cfg = _mixed_cfg(tmp_path, num_workers=num_workers, shuffle_buffer=5, batch_size=2)
+    loader = build_loader(cfg, TOK, "train")
+    it = iter(loader)
+    [next(it) for _ in range(before)]  # 9 batches: about 60 documents, past the first epoch
+    state = loader.state_dict()
+    expected = [next(it) for _ in range(8)]
+    del it
+    epochs = [s["cursor"][0] for w in state["workers"] if w for s in w["sources"]]
+    assert max(epochs) >= (1 if before > 1 else 0)
+    resumed = build_loader(cfg, TOK, "train")
+    resumed.load_state_dict(state)
+    got = list(itertools.islice(resumed, 8))
+    assert all(_same(a, b) for a, b in zip(expected, got)) and len(got) == 8
+    assert resumed.stats()["samples"] == loader.stats()["samples"]
+
+
+def test_changed_worker_count_warns_and_goes_on(tmp_path):
+    cfg = _mixed_cfg(tmp_path)
+    loader = build_loader(cfg, TOK, "train")
+    next(iter(loader))
+    cfg.num_workers = 1
+    other = build_loader(cfg, TOK, "train")
+    with pytest.warns(UserWarning, match="exact resume is impossible"):
+        other.load_state_dict(loader.state_dict())
+    assert next(iter(other)).num_tokens() > 0
+
+
+# ----- bad input ----------------------------------------------------------------------------------
+@pytest.fixture
+def bad_shards(tmp_path):
+    return make_bad_shards(tmp_path)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_bad_samples_are_counted_and_recorded(tmp_path, bad_shards, num_workers):
+    urls, expected = bad_shards
+    cfg = data_cfg(val=urls, num_workers=num_workers)
+    cfg.media.max_image_pixels = 48 * 48
+    loader = build_loader(cfg, TOK, "val")
+    assert sum(b.num_tokens() for b in loader) > 0
+    assert sorted(loader.ledger.entries) == sorted(expected)
+    reasons = {}
+    for _, _, r in expected:
+        reasons[r] = reasons.get(r, 0) + 1
+    assert loader.stats()["skipped"] == reasons
+    assert loader.state_dict()["ledger"]["counts"] == reasons
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_failure_rate_aborts_with_a_clear_message(tmp_path, num_workers):
+    samples = [{"__key__": f"b{i}", "png": b"broken", "txt": "x"} for i in range(12)]
+    samples += [{"__key__": f"g{i}", "txt": "fine"} for i in range(4)]
+    url = write_tar(tmp_path / "bad.tar", samples)
+    cfg = data_cfg(train=[url, url], num_workers=num_workers, max_failure_rate=0.2,
+                   min_samples_for_failure_rate=5)
+    with pytest.raises(DataError, match=r"samples bad .* > max_failure_rate 20.0%.*corrupt_image"):
+        next(iter(build_loader(cfg, TOK, "train")))
+
+
+@pytest.mark.timeout(60)
+def test_too_few_samples_for_the_workers_is_an_error_not_a_hang(tmp_path):
+    url = text_shards(tmp_path, 1, 3)[0]
+    cfg = data_cfg(train=[url], num_workers=2)
+    with pytest.raises(DataError, match="without a sample it owns"):  # rank 1, worker 1 owns none
+        list(itertools.islice(build_loader(cfg, TOK, "train", rank=1, world_size=2), 4))
+    cfg.resample = True  # with replacement every worker reads the one shard: fine
+    assert next(iter(build_loader(cfg, TOK, "train", rank=1, world_size=2))).num_tokens() > 0
+
+
+def test_missing_spec_and_empty_split_are_data_errors(tmp_path):
+    with pytest.raises(DataError, match="nothing"):
+        build_loader(data_cfg(train=[str(tmp_path / "x-*.tar")]), TOK, "train")
+    with pytest.raises(DataError, match="data.val: no sources"):
+        build_loader(data_cfg(train=[str(tmp_path)]), TOK, "val")
+
+
+def test_an_unexpected_exception_skips_the_sample_and_warns(tmp_path, monkeypatch):
+    import data_pipelines.stream as stream
+
+    urls = text_shards(tmp_path, 1, 5)
+    real = stream.make_documents
+
+    def flaky(raw, tok, cfg):
+        if raw.key.endswith("_002"):
+            raise RuntimeError("boom")
+        return real(raw, tok, cfg)
+
+    monkeypatch.setattr(stream, "make_documents", flaky)
+    loader = build_loader(data_cfg(val=urls), TOK, "val")
+    with pytest.warns(UserWarning, match="RuntimeError: boom"):
+        names = [n for b in loader for n in _labels(b)]
+    assert sorted(names) == ["t-0-0", "t-0-1", "t-0-3", "t-0-4"]
+    assert [e.reason for e in loader.ledger.entries] == ["unexpected_error"]

@@ -1,0 +1,53 @@
+import argparse
+import json
+import tarfile
+
+import pytest
+from dp_shards import make_folder, make_jsonl
+
+from data_pipelines import write
+from data_pipelines.errors import DataError
+
+
+def _run(*argv) -> int:
+    p = argparse.ArgumentParser()
+    write.add_arguments(p)
+    return write.run(p.parse_args(list(argv)))
+
+
+def _members(out) -> dict[str, list[str]]:
+    return {p.name: tarfile.open(p).getnames() for p in sorted(out.glob("*.tar"))}
+
+
+def test_folder_to_shards(tmp_path, capsys):
+    make_folder(tmp_path / "src")
+    src, out_dir = str(tmp_path / "src"), str(tmp_path / "out")
+    assert _run("--from", "folder", src, "--out", out_dir, "--shard-size", "2") == 0
+    out = capsys.readouterr()
+    assert "wrote 5 samples in 3 shards" in out.out and "orphan" in out.err
+    names = sorted(n for ms in _members(tmp_path / "out").values() for n in ms)
+    assert len(names) == 10  # cat 2, clip 2, dog 3 (png, txt, json), note 1, story 2; orphan skipped
+    assert {n.split(".", 1)[1] for n in names} == {"txt", "jpg", "png", "json", "mp4", "1.png"}
+    assert "000000002.png" in names  # the extension is lower-cased
+    assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def test_jsonl_to_shards_and_strict(tmp_path, capsys):
+    path, good = make_jsonl(tmp_path / "src")
+    assert _run("--from", "jsonl", str(path), "--out", str(tmp_path / "out"), "--prefix", "j") == 0
+    assert f"wrote {good} samples in 1 shards" in capsys.readouterr().out
+    names = _members(tmp_path / "out")["j-000000.tar"]
+    assert sorted(names) == sorted(["000000000.txt", "000000001.webp", "000000001.txt", "000000001.json",
+                                    "000000002.mp4", "000000002.txt", "000000003.0.png", "000000003.2.mp4",
+                                    "000000003.json"])
+    with tarfile.open(tmp_path / "out" / "j-000000.tar") as tar:
+        meta = json.loads(tar.extractfile("000000003.json").read())
+    assert meta == {"segments": [{"image": "0.png"}, {"text": "after"}, {"video": "2.mp4"}]}
+    assert _run("--from", "jsonl", str(path), "--out", str(tmp_path / "o2"), "--strict") == 1
+
+
+def test_bad_sources_are_data_errors(tmp_path):
+    with pytest.raises(DataError, match="not a directory"):
+        _run("--from", "folder", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
+    with pytest.raises(DataError, match="file not found"):
+        _run("--from", "jsonl", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o"))
