@@ -157,7 +157,9 @@ class Trainer:
             with self._autocast():
                 out = self.model(**batch.model_inputs())
             losses = task_losses(out.logits_BSV, batch.labels_BS, batch.task_BS)
-            loss = weighted_total(losses, weights) + sum(out.aux_losses.values(), torch.zeros((), device=self.device))
+            loss = weighted_total(losses, weights)
+            for aux in out.aux_losses.values():  # MoE balance and router z-loss, already weighted
+                loss = loss + aux
             if self.cfg.loss.z_loss:
                 loss = loss + self.cfg.loss.z_loss * z_loss(out.logits_BSV, batch.labels_BS)
             (loss / accum).backward()
@@ -241,8 +243,12 @@ class Trainer:
             scalars = {f"train/loss_{t}": v for t, v in s.task_loss.items()}
             scalars.update({f"train/weight_{t}": w for t, w in self.balancer.weights().items()})
             scalars.update({
-                "train/loss": s.loss, "train/grad_norm": s.grad_norm, "train/lr": self.scheduler.get_last_lr()[0],
-                "perf/tokens_per_s": tok_s, "perf/data_wait_frac": wait, "train/skipped_steps": self.skipped_steps,
+                "train/loss": s.loss,
+                "train/grad_norm": s.grad_norm,
+                "train/lr": self.scheduler.get_last_lr()[0],
+                "train/skipped_steps": self.skipped_steps,
+                "perf/tokens_per_s": tok_s,
+                "perf/data_wait_frac": wait,
             })
             log.scalars(self.step, scalars)
 

@@ -1,0 +1,16 @@
+"""mmtrain's model: a from-scratch ViT feeding a sparse-attention MoE decoder.
+
+Architecture only (no parallelism, optimizer or losses beyond the MoE router terms); the trainer
+applies FSDP2 / activation checkpointing / compile per block from outside (`vision.blocks`,
+`decoder.layers`). `models` never imports `mmtrain` or `data_pipelines`.
+"""
+
+from .attention import AttentionConfig
+from .counting import ParamCount
+from .decoder import DecoderConfig
+from .moe import MoEConfig
+from .multimodal import ModelConfig, ModelOutput, MultimodalModel
+from .vision import VisionConfig
+
+__all__ = ["AttentionConfig", "DecoderConfig", "ModelConfig", "ModelOutput", "MoEConfig", "MultimodalModel",
+           "ParamCount", "VisionConfig"]
