@@ -199,9 +199,7 @@ class Trainer:
 
     def _after_optimizer_step(self) -> None:
         self._consecutive_skips = 0
-        update = getattr(self.model, "update_router_biases", None)
-        if update is not None:
-            update()
+        self.model.update_moe_bias()  # auxiliary-loss-free balancing: load since the last step
 
     def _autocast(self):
         if self.device.type == "cuda" and self.cfg.train.dtype == "bfloat16":

@@ -1,0 +1,76 @@
+"""`attend`: one attention function, several backends (see the package docstring).
+
+Legend: B batch, H query heads, K kv heads, S tokens, D head dim, Q query blocks, N key blocks,
+G selection heads (H or K).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import flash
+from .config import AttentionConfig
+from .dense import attend_dense
+from .flex import attend_flex
+from .gather import attend_gather
+from .meta import AttnMeta
+from .select import select_blocks
+
+Tensor = torch.Tensor
+
+
+def _check(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig) -> None:
+    if q_BHSD.dim() != 4 or k_BKSD.dim() != 4 or k_BKSD.shape != v_BKSD.shape:
+        raise ValueError(f"attend: need q (B,H,S,D), k/v (B,Hkv,S,D) (got {tuple(q_BHSD.shape)}, "
+                         f"{tuple(k_BKSD.shape)}, {tuple(v_BKSD.shape)})")
+    B, H, S, D = q_BHSD.shape
+    if k_BKSD.shape[0] != B or k_BKSD.shape[2] != S or k_BKSD.shape[3] != D or H % k_BKSD.shape[1]:
+        raise ValueError(f"attend: k/v {tuple(k_BKSD.shape)} do not match q {tuple(q_BHSD.shape)} (GQA)")
+    if meta.batch != B or meta.seq_len != S:
+        raise ValueError(f"attend: meta is for (B, S) = ({meta.batch}, {meta.seq_len}), q has ({B}, {S})")
+    if meta.block_size != cfg.block_size:
+        raise ValueError(f"block_size: meta was built with {meta.block_size} (got {cfg.block_size})")
+
+
+def resolve_backend(cfg: AttentionConfig, q_BHSD: Tensor, meta: AttnMeta, sparse: bool) -> str:
+    """The backend that will run: cfg.backend, with auto resolved and flash falling back when unusable.
+
+    auto: sparse -> flex on CUDA, gather elsewhere; full -> flash if usable, else flex on CUDA,
+    else gather (the exact block-chunked path; SDPA-with-mask on CPU would materialise S x S).
+    """
+    backend = cfg.backend
+    if backend == "auto" and not sparse and q_BHSD.is_cuda and flash.usable(q_BHSD, meta, sparse):
+        return "flash"
+    if backend == "flash" and flash.usable(q_BHSD, meta, sparse):
+        return "flash"
+    if backend in ("auto", "flash"):
+        return "flex" if q_BHSD.is_cuda else "gather"
+    return backend
+
+
+def attend(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+           sparse: bool, capture: dict | None = None) -> Tensor:
+    """Attention of q over k/v under the token rule (and, if `sparse`, the block selection).
+
+    q (B, H, S, D); k, v (B, Hkv, S, D), H % Hkv == 0. Returns (B, H, S, D) in q's dtype; softmax
+    scale 1/sqrt(D). With `capture`, stores "q", "k" (detached) and, for sparse layers,
+    "kv_blocks" = the (B, G, Q, N) bool selection used (G = H or Hkv per cfg.select_per).
+    """
+    _check(q_BHSD, k_BKSD, v_BKSD, meta, cfg)
+    sel_BGQN = select_blocks(q_BHSD, k_BKSD, meta, cfg) if sparse else None
+    if capture is not None:
+        capture["q"] = q_BHSD.detach()
+        capture["k"] = k_BKSD.detach()
+        if sel_BGQN is not None:
+            capture["kv_blocks"] = sel_BGQN
+    backend = resolve_backend(cfg, q_BHSD, meta, sparse)
+    if backend == "gather":
+        sel = sel_BGQN if sparse else meta.reach_BQN[:, None]
+        out = attend_gather(q_BHSD, k_BKSD, v_BKSD, meta, sel, cfg.gather_chunk, cfg.gather_checkpoint)
+    elif backend == "flex":
+        out = attend_flex(q_BHSD, k_BKSD, v_BKSD, meta, sel_BGQN)
+    elif backend == "flash":
+        out = flash.attend_flash(q_BHSD, k_BKSD, v_BKSD, meta)
+    else:
+        out = attend_dense(q_BHSD, k_BKSD, v_BKSD, meta, sel_BGQN, eager=cfg.dense_impl == "eager")
+    return out.to(q_BHSD.dtype)

@@ -1,0 +1,177 @@
+"""The decoder: token embedding + scattered visual tokens, pre-norm blocks (QK-norm, GQA,
+M-RoPE, full or sparse attention per layer), dense SwiGLU or MoE FFN, final norm, LM head.
+
+Legend: B batch rows, S tokens, D model dim, V vocab, Q visual tokens in the batch,
+F rotary pairs (head_dim / 2), L layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .attention import AttentionConfig, build_meta
+from .ffn import SwiGLU
+from .moe import MoE, MoEConfig
+from .norms import RMSNorm
+from .rope import axial_angles, mrope_freqs
+from .self_attention import SelfAttention
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class DecoderConfig:
+    vocab_size: int | None = None  # filled from the tokenizer by the trainer
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384  # dense SwiGLU hidden width
+    rope_theta: float = 10000.0
+    mrope_sections: tuple[int, int, int] = (4, 6, 6)  # (t, h, w) pairs; sum = head_dim / 2
+    qk_norm: bool = True
+    tie_embeddings: bool = False
+    layer_layout: str = "FSSS"  # repeated over layers: F full attention, S sparse
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    moe: MoEConfig | None = None
+    init_std: float = 0.02
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size: must be >= 1 or null (got {self.vocab_size})")
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+            raise ValueError(f"n_heads: must divide dim {self.dim} into even head dims (got {self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads: must divide n_heads {self.n_heads} (got {self.n_kv_heads})")
+        self.mrope_sections = tuple(self.mrope_sections)
+        half = self.dim // self.n_heads // 2
+        if len(self.mrope_sections) != 3 or sum(self.mrope_sections) != half or min(self.mrope_sections) < 0:
+            raise ValueError(f"mrope_sections: need 3 non-negative ints summing to head_dim / 2 = {half} "
+                             f"(got {list(self.mrope_sections)})")
+        if not self.layer_layout or set(self.layer_layout) - {"F", "S"}:
+            raise ValueError(f"layer_layout: a non-empty string of F and S (got {self.layer_layout!r})")
+        if self.init_std <= 0:
+            raise ValueError(f"init_std: must be > 0 (got {self.init_std})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.layer_layout[layer % len(self.layer_layout)] == "S"
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe.first_dense_layers
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.sparse = cfg.is_sparse(layer)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = SelfAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.qk_norm, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = MoE(cfg.dim, cfg.moe) if cfg.is_moe(layer) else SwiGLU(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor, meta, attn_cfg: AttentionConfig,
+                modality_BS: Tensor, capture: dict | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """-> (x, aux); aux is {} for a dense FFN, else the MoE's losses and load (a pytree)."""
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF, meta, attn_cfg,
+                                  sparse=self.sparse, capture=capture)
+        h_BSD = self.ffn_norm(x_BSD)
+        if isinstance(self.ffn, MoE):
+            y_BSD, aux = self.ffn(h_BSD, modality_BS)
+            return x_BSD + y_BSD, aux
+        return x_BSD + self.ffn(h_BSD), {}
+
+
+@dataclass
+class DecoderOutput:
+    hidden_BSD: Tensor  # after the final norm
+    aux_losses: dict[str, Tensor]  # weighted, summed over layers
+    expert_load: dict[int, Tensor] | None  # layer -> (3, E) int64 counts (text, image, video)
+    router_entropy: dict[int, Tensor] | None  # layer -> (3,) mean routing entropy per modality
+    captures: dict[int, dict]
+
+
+def scatter_visual(h_BSD: Tensor, modality_BS: Tensor, visual_QD: Tensor) -> Tensor:
+    """Visual tokens, in order, into the placeholder positions (modality != text), row-major."""
+    b_Q, s_Q = torch.nonzero(modality_BS != 0, as_tuple=True)  # host sync (the count)
+    if b_Q.numel() != visual_QD.shape[0]:
+        raise ValueError(f"modality: {b_Q.numel()} visual placeholders but the vision encoder "
+                         f"returned {visual_QD.shape[0]} tokens")
+    return h_BSD.index_put((b_Q, s_Q), visual_QD.to(h_BSD.dtype))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError("vocab_size: must be set before building the model (got None)")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(init_std); residual-branch outputs scaled by 1 / sqrt(2 L) (GPT-2/Megatron)."""
+        std = self.cfg.init_std
+        out_std = std / (2 * self.cfg.n_layers) ** 0.5
+        nn.init.normal_(self.embed.weight, std=std)
+        for layer in self.layers:
+            layer.attn.reset_parameters(std, out_std)
+            layer.attn_norm.reset_parameters()
+            layer.ffn_norm.reset_parameters()
+            if isinstance(layer.ffn, MoE):
+                layer.ffn.reset_parameters(std, out_std)
+            else:
+                nn.init.normal_(layer.ffn.w_in.weight, std=std)
+                nn.init.normal_(layer.ffn.w_out.weight, std=out_std)
+        self.norm.reset_parameters()
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, std=std)
+
+    def moe_layers(self) -> dict[int, MoE]:
+        return {i: layer.ffn for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)}
+
+    def rotary(self, pos_ids_3BS: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = mrope_freqs(self.cfg.head_dim, self.cfg.mrope_sections, self.cfg.rope_theta,
+                            pos_ids_3BS.device)
+        angles_BSF = axial_angles(pos_ids_3BS, freqs)
+        return angles_BSF.cos()[:, None], angles_BSF.sin()[:, None]  # (B, 1, S, F): broadcast heads
+
+    def forward(self, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, span_ids_BS: Tensor,
+                modality_BS: Tensor, visual_QD: Tensor | None = None,
+                capture_layers: Collection[int] | None = None) -> DecoderOutput:
+        h_BSD = self.embed(tokens_BS)
+        if visual_QD is not None:
+            h_BSD = scatter_visual(h_BSD, modality_BS, visual_QD)
+        cos_B1SF, sin_B1SF = self.rotary(pos_ids_3BS)
+        meta = build_meta(doc_ids_BS, span_ids_BS, self.cfg.attention.block_size)  # once, all layers
+        captures = {i: {} for i in (capture_layers or ())}
+        aux_losses: dict[str, Tensor] = {}
+        load, entropy = {}, {}
+        for i, layer in enumerate(self.layers):
+            h_BSD, aux = layer(h_BSD, cos_B1SF, sin_B1SF, meta, self.cfg.attention, modality_BS,
+                               captures.get(i))
+            if aux:
+                for name in ("moe_seq_balance", "router_z"):
+                    aux_losses[name] = aux_losses.get(name, 0.0) + aux[name]
+                load[i], entropy[i] = aux["load_3E"], aux["router_entropy_3"]
+                if self.training:  # here, not in the layer: activation checkpointing replays layers
+                    layer.ffn.accumulate_load(aux["load_3E"])
+        return DecoderOutput(self.norm(h_BSD), aux_losses, load or None, entropy or None, captures)
+
+    def logits(self, hidden_BSD: Tensor) -> Tensor:
+        weight_VD = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden_BSD, weight_VD)

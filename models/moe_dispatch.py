@@ -1,0 +1,141 @@
+"""Dropless expert computation: every routed (token, expert) pair is computed, none dropped.
+
+Three paths compute the same function y_T = sum_k w_TK * expert_{idx_TK}(x_T):
+- `grouped_mm`: sort the T*K rows by expert, one `torch._grouped_mm` per projection (no
+  padding, no host sync). Used where the runtime supports it (probed once per device/dtype).
+- `batched`: sort, scatter into a zero-padded (E, C, D) buffer (C = the largest expert load,
+  one host sync), `torch.bmm`, gather back. Works everywhere.
+- `loop`: the reference; a Python loop over experts on the unsorted tokens.
+
+Legend: T tokens, K top_k, R = T*K routed rows, E experts, D model dim, F expert hidden dim,
+C padded rows per expert.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .ffn import swiglu
+
+Tensor = torch.Tensor
+DISPATCH_PATHS = ("grouped_mm", "batched", "loop")
+
+
+@torch.compiler.assume_constant_result  # torch.compile: a constant, evaluated, never traced
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    return _grouped_mm_probe(device_type, dtype)
+
+
+@functools.cache
+def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
+    """Does `torch._grouped_mm` run forward and backward here? Tried once on tiny tensors.
+
+    Pure in its arguments (the answer is a property of the build and the device), hence cached.
+    Empty groups and unaligned offsets are part of the probe, as real routing produces both.
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), \
+                torch.autocast(device_type, enabled=False):
+            dev = torch.device(device_type)
+            a_RD = torch.randn(7, 16, device=dev, dtype=dtype, requires_grad=True)
+            b_EDF = torch.randn(3, 16, 32, device=dev, dtype=dtype, requires_grad=True)
+            offs_E = torch.tensor([3, 3, 7], device=dev, dtype=torch.int32)
+            out_RF = torch._grouped_mm(a_RD, b_EDF, offs=offs_E)
+            ref_RF = torch.cat([a_RD[:3] @ b_EDF[0], a_RD[3:] @ b_EDF[2]])
+            out_RF.backward(torch.ones_like(out_RF))
+            ok = a_RD.grad is not None and b_EDF.grad is not None
+            return bool(ok and torch.allclose(out_RF.float(), ref_RF.float(), atol=1e-1, rtol=1e-2))
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The matmul dtype: autocast's when active (grouped_mm is not an autocast op)."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def resolve_dispatch(dispatch: str, x: Tensor) -> str:
+    if dispatch != "auto":
+        return dispatch
+    dtype = compute_dtype(x)
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return "batched"  # the compiler's grouped_mm shape rule accepts bf16 only (eager CPU does fp32)
+    return "grouped_mm" if grouped_mm_supported(x.device.type, dtype) else "batched"
+
+
+def count(idx: Tensor, n: int) -> Tensor:
+    """(n,) int64 occurrences of 0..n-1 (bincount with a static shape: compiles without a break)."""
+    idx = idx.reshape(-1)
+    return torch.zeros(n, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
+
+
+def sort_by_expert(idx_TK: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Rows grouped by expert: (token_R, slot_R (k index), expert_R, counts_E), stable order."""
+    K = idx_TK.shape[1]
+    order_R = torch.argsort(idx_TK.reshape(-1), stable=True)
+    counts_E = count(idx_TK, n_experts)
+    return order_R // K, order_R % K, idx_TK.reshape(-1)[order_R], counts_E
+
+
+def _experts_grouped(x_RD: Tensor, counts_E: Tensor, w_in_EDF2: Tensor, w_out_EFD: Tensor) -> Tensor:
+    offs_E = counts_E.cumsum(0).to(torch.int32)
+    h_RF2 = torch._grouped_mm(x_RD, w_in_EDF2, offs=offs_E)
+    return torch._grouped_mm(swiglu(h_RF2).contiguous(), w_out_EFD, offs=offs_E)
+
+
+def _experts_batched(x_RD: Tensor, expert_R: Tensor, counts_E: Tensor, w_in_EDF2: Tensor,
+                     w_out_EFD: Tensor) -> Tensor:
+    E, R, D = counts_E.shape[0], x_RD.shape[0], x_RD.shape[1]
+    C = max(int(counts_E.max()), 1) if R else 1  # host sync: the padded width
+    start_E = counts_E.cumsum(0) - counts_E
+    dest_R = expert_R * C + torch.arange(R, device=x_RD.device) - start_E[expert_R]
+    buf_ECD = x_RD.new_zeros(E * C, D).index_copy(0, dest_R, x_RD).view(E, C, D)
+    h_ECF = swiglu(torch.bmm(buf_ECD, w_in_EDF2))  # padding rows stay exactly 0
+    y_ECD = torch.bmm(h_ECF, w_out_EFD)
+    return y_ECD.reshape(E * C, D)[dest_R]
+
+
+def experts_sorted(x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor, w_in_EDF2: Tensor, w_out_EFD: Tensor,
+                   path: str) -> Tensor:
+    """The fast paths: sort by expert, run all experts at once, weight and scatter-add back."""
+    dt = compute_dtype(x_TD)
+    token_R, slot_R, expert_R, counts_E = sort_by_expert(idx_TK, w_in_EDF2.shape[0])
+    x_RD = x_TD.to(dt)[token_R]
+    w_in, w_out = w_in_EDF2.to(dt), w_out_EFD.to(dt)
+    if path == "grouped_mm":
+        y_RD = _experts_grouped(x_RD, counts_E, w_in, w_out)
+    elif path == "batched":
+        y_RD = _experts_batched(x_RD, expert_R, counts_E, w_in, w_out)
+    else:
+        raise ValueError(f"dispatch: must be one of {DISPATCH_PATHS} (got {path!r})")
+    y_RD = y_RD * w_TK[token_R, slot_R, None].to(y_RD.dtype)
+    return torch.zeros_like(x_TD).index_add(0, token_R, y_RD.to(x_TD.dtype))  # sum the K rows
+
+
+def experts_loop(x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor, w_in_EDF2: Tensor,
+                 w_out_EFD: Tensor) -> Tensor:
+    """Reference: one expert at a time on the tokens that chose it (no sorting, no padding)."""
+    tokens, outs = [], []
+    for e in range(w_in_EDF2.shape[0]):
+        token_R, slot_R = torch.nonzero(idx_TK == e, as_tuple=True)
+        if token_R.numel() == 0:
+            continue
+        h_RF = swiglu(x_TD[token_R] @ w_in_EDF2[e])
+        outs.append((h_RF @ w_out_EFD[e]) * w_TK[token_R, slot_R, None])
+        tokens.append(token_R)
+    if not outs:
+        return torch.zeros_like(x_TD)
+    return torch.zeros_like(x_TD).index_add(0, torch.cat(tokens), torch.cat(outs).to(x_TD.dtype))
+
+
+def run_experts(x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor, w_in_EDF2: Tensor, w_out_EFD: Tensor,
+                dispatch: str) -> Tensor:
+    path = resolve_dispatch(dispatch, x_TD)
+    if path == "loop":
+        return experts_loop(x_TD, idx_TK, w_TK, w_in_EDF2, w_out_EFD)
+    return experts_sorted(x_TD, idx_TK, w_TK, w_in_EDF2, w_out_EFD, path)

@@ -1,0 +1,95 @@
+"""The whole model: vision encoder -> visual tokens scattered into the decoder's placeholders.
+
+Architecture only: no parallelism, no optimizer, no losses other than the MoE's router terms.
+The per-block ModuleLists (`vision.blocks`, `decoder.layers`) are where FSDP2 /
+activation checkpointing / compile are applied from outside.
+
+Legend: B batch rows, S tokens, V vocab, D decoder dim, P patch dim, M media, E routed experts,
+N patches at the input, merged visual tokens (patches / merge^2) at the output (visual_embeds_ND).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .counting import ParamCount, count_params, flops_per_token
+from .decoder import Decoder, DecoderConfig
+from .moe import MoE
+from .vision import VisionConfig, VisionEncoder
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class ModelConfig:
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
+
+
+@dataclass
+class ModelOutput:
+    logits_BSV: Tensor | None  # None when forward(compute_logits=False)
+    hidden_BSD: Tensor  # final-norm hidden states (the LM head's input)
+    aux_losses: dict[str, Tensor]  # "moe_seq_balance", "router_z": weighted, summed over layers
+    expert_load: dict[int, Tensor] | None  # MoE layer -> (3, E) int64 token counts (text, image, video)
+    router_entropy: dict[int, Tensor] | None  # MoE layer -> (3,) mean routing entropy per modality
+    captures: dict[int, dict]  # layer -> what `attend` recorded (q, k after RoPE, block selection)
+    visual_embeds_ND: Tensor  # merged visual tokens before the scatter (patches / merge^2, D)
+
+
+class MultimodalModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vision = VisionEncoder(cfg.vision, cfg.decoder.dim, cfg.decoder.attention)
+        self.decoder = Decoder(cfg.decoder)
+
+    def forward(self, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, span_ids_BS: Tensor,
+                modality_BS: Tensor, patches_NP: Tensor, grid_thw_M3: Tensor,
+                capture_layers: Collection[int] | None = None, compute_logits: bool = True) -> ModelOutput:
+        visual_ND = self.vision(patches_NP, grid_thw_M3)  # N: patches in, merged tokens out
+        out = self.decoder(tokens_BS, pos_ids_3BS, doc_ids_BS, span_ids_BS, modality_BS, visual_ND,
+                           capture_layers)
+        logits_BSV = self.decoder.logits(out.hidden_BSD) if compute_logits else None
+        return ModelOutput(logits_BSV, out.hidden_BSD, out.aux_losses, out.expert_load, out.router_entropy,
+                           out.captures, visual_ND)
+
+    def logits(self, hidden_BSD: Tensor) -> Tensor:
+        """The LM head alone (for chunked cross-entropy over `hidden_BSD`)."""
+        return self.decoder.logits(hidden_BSD)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and buffer, e.g. after `to_empty` from the meta device."""
+        self.vision.reset_parameters()
+        self.decoder.reset_parameters()
+
+    def moe_layers(self) -> dict[int, MoE]:
+        return self.decoder.moe_layers()
+
+    @torch.no_grad()
+    def update_moe_bias(self, reduce_fn: Callable[[Tensor], None] | None = None) -> None:
+        """Aux-loss-free balancing step for every MoE layer; call after the optimizer step.
+
+        `reduce_fn` sums the stacked (L_moe, E) load in place across data-parallel ranks (e.g.
+        `torch.distributed.all_reduce`) so that all ranks apply the same update.
+        """
+        moes = list(self.moe_layers().values())
+        if not moes:
+            return
+        load_LE = torch.stack([m.load_E for m in moes])
+        if reduce_fn is not None:
+            reduce_fn(load_LE)
+        for moe, load_E in zip(moes, load_LE):
+            moe.update_bias(load_E)
+
+    def num_params(self) -> ParamCount:
+        return count_params(self)
+
+    def flops_per_token(self, seq_len: int, visual_fraction: float = 0.0,
+                        patches_per_medium: int = 256) -> float:
+        return flops_per_token(self, seq_len, visual_fraction, patches_per_medium)

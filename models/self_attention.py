@@ -1,0 +1,54 @@
+"""The attention layer shared by the vision encoder and the decoder: projections, QK-norm,
+rotary, GQA; the attention itself is `models.attention.attend` (one semantics, many backends).
+
+Legend: B batch rows, S tokens, D model dim, H query heads, K kv heads, E head dim,
+F rotary pairs (E / 2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import AttentionConfig, attend
+from .norms import RMSNorm
+from .rope import apply_rotary
+
+Tensor = torch.Tensor
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, qk_norm: bool = True,
+                 eps: float = 1e-6) -> None:
+        super().__init__()
+        if dim % n_heads:
+            raise ValueError(f"n_heads: must divide dim {dim} (got {n_heads})")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads: must divide n_heads {n_heads} (got {n_kv_heads})")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wqkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        # QK-norm (per head, over the head dim) bounds the attention logits: the first thing to
+        # blow up when modalities compete (Chameleon) or a ViT trains from scratch (ViT-22B).
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+
+    def forward(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor, meta, cfg: AttentionConfig,
+                sparse: bool = False, capture: dict | None = None) -> Tensor:
+        B, S, _ = x_BSD.shape
+        H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x_BSD).view(B, S, H + 2 * K, E).transpose(1, 2)  # (B, H + 2K, S, E)
+        q_BHSE, k_BKSE, v_BKSE = qkv.split([H, K, K], dim=1)
+        if self.q_norm is not None:
+            q_BHSE, k_BKSE = self.q_norm(q_BHSE), self.k_norm(k_BKSE)
+        q_BHSE = apply_rotary(q_BHSE, cos_B1SF, sin_B1SF)
+        k_BKSE = apply_rotary(k_BKSE, cos_B1SF, sin_B1SF)
+        o_BHSE = attend(q_BHSE, k_BKSE, v_BKSE.contiguous(), meta, cfg, sparse=sparse, capture=capture)
+        return self.wo(o_BHSE.transpose(1, 2).reshape(B, S, H * E))
+
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.wqkv.weight, std=std)
+        nn.init.normal_(self.wo.weight, std=out_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()

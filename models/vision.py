@@ -1,0 +1,165 @@
+"""Vision encoder: a ViT trained from scratch over packed media of any resolution and length.
+
+Patches of all media arrive concatenated (NaViT-style packing), each medium in raster (t, h, w)
+order of its patch grid; a patch is one (temporal_patch x patch x patch) tubelet, flattened.
+Attention is bidirectional inside one medium only (doc = span = medium), so media never see
+each other. Positions: axial RoPE over (t, h, w) -- 2-D inside a frame (images have t = 0), and
+a temporal section so that a video is a sequence of frames, not a bag of images. After the
+blocks, each merge x merge patch neighbourhood becomes one token and an MLP projects it to the
+decoder width; tokens come out per medium in raster (t, h / merge, w / merge) order, matching
+the placeholder order of the packed batch.
+
+Legend: N patches (all media), P patch dim (C * tp * p * p), M media, D vision dim,
+O output (decoder) dim, Q = N / merge^2 merged tokens, F rotary pairs, H heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import AttentionConfig, build_meta
+from .ffn import GeluMLP
+from .norms import RMSNorm
+from .rope import axial_angles, vision_freqs
+from .self_attention import SelfAttention
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class VisionConfig:
+    patch_size: int = 8
+    temporal_patch: int = 2
+    in_channels: int = 3
+    dim: int = 96
+    depth: int = 2
+    n_heads: int = 4
+    mlp_ratio: float = 4.0
+    merge: int = 2  # merge x merge patches -> one decoder token
+    rope_theta: float = 10000.0
+    qk_norm: bool = True
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "temporal_patch", "in_channels", "dim", "depth", "n_heads", "merge"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 4:
+            raise ValueError(f"n_heads: dim / n_heads must be a multiple of 4 for (t, h, w) RoPE "
+                             f"(got dim {self.dim}, n_heads {self.n_heads})")
+        if self.mlp_ratio <= 0:
+            raise ValueError(f"mlp_ratio: must be > 0 (got {self.mlp_ratio})")
+        if self.rope_theta <= 1:
+            raise ValueError(f"rope_theta: must be > 1 (got {self.rope_theta})")
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch * self.patch_size ** 2
+
+
+def patch_layout(grid_thw_M3: Tensor, n_patches: int, merge: int) -> tuple[Tensor, Tensor, Tensor]:
+    """-> medium_N, pos_3N (t, h, w inside its medium), src_N (patch index in merged order).
+
+    Merged order: per medium (t, h', w', i, j) with h = h' * merge + i, w = w' * merge + j, so
+    src_N reshaped to (Q, merge^2) lists each merged token's patches.
+    """
+    grid = grid_thw_M3.tolist()  # one host sync: validate before indexing with it
+    sizes = [t * h * w for t, h, w in grid]
+    if sum(sizes) != n_patches:
+        raise ValueError(f"grid_thw: patch counts sum to {sum(sizes)}, patches_NP has {n_patches} rows")
+    bad = [g for g in grid if g[1] % merge or g[2] % merge or min(g) < 1]
+    if bad:
+        raise ValueError(f"grid_thw: h and w must be positive multiples of merge {merge} (got {bad[0]})")
+    dev = grid_thw_M3.device
+    g_M3 = grid_thw_M3.long()
+    size_M = g_M3.prod(-1)
+    medium_N = torch.repeat_interleave(torch.arange(len(grid), device=dev), size_M, output_size=n_patches)
+    start_M = size_M.cumsum(0) - size_M
+    r_N = torch.arange(n_patches, device=dev) - start_M[medium_N]  # index inside the medium
+    Hh, Ww = g_M3[medium_N, 1], g_M3[medium_N, 2]
+    pos_3N = torch.stack([r_N // (Hh * Ww), (r_N // Ww) % Hh, r_N % Ww])
+    m = merge
+    j, i = r_N % m, (r_N // m) % m
+    w2, h2 = (r_N // m**2) % (Ww // m), (r_N // (m**2 * (Ww // m))) % (Hh // m)
+    src_N = start_M[medium_N] + pos_3N[0] * Hh * Ww + (h2 * m + i) * Ww + w2 * m + j
+    return medium_N, pos_3N, src_N
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = SelfAttention(cfg.dim, cfg.n_heads, cfg.n_heads, cfg.qk_norm, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = GeluMLP(cfg.dim, int(cfg.mlp_ratio * cfg.dim))
+
+    def forward(self, x_1ND: Tensor, cos_11NF: Tensor, sin_11NF: Tensor, meta,
+                attn_cfg: AttentionConfig) -> Tensor:
+        x_1ND = x_1ND + self.attn(self.attn_norm(x_1ND), cos_11NF, sin_11NF, meta, attn_cfg)
+        return x_1ND + self.mlp(self.mlp_norm(x_1ND))
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, cfg: VisionConfig, out_dim: int, attn_cfg: AttentionConfig | None = None) -> None:
+        super().__init__()
+        self.cfg, self.out_dim = cfg, out_dim
+        self.attn_cfg = attn_cfg or AttentionConfig()
+        self.patch_embed = nn.Linear(cfg.patch_dim, cfg.dim, bias=True)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        merged = cfg.dim * cfg.merge ** 2
+        self.projector = GeluMLP(merged, merged, out_dim)  # Qwen2-VL-style merger
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std, out_std = self.cfg.init_std, self.cfg.init_std / (2 * self.cfg.depth) ** 0.5
+        nn.init.normal_(self.patch_embed.weight, std=std)
+        nn.init.zeros_(self.patch_embed.bias)
+        for blk in self.blocks:
+            blk.attn.reset_parameters(std, out_std)
+            nn.init.normal_(blk.mlp.w_in.weight, std=std)
+            nn.init.normal_(blk.mlp.w_out.weight, std=out_std)
+            blk.attn_norm.reset_parameters()
+            blk.mlp_norm.reset_parameters()
+        self.norm.reset_parameters()
+        nn.init.normal_(self.projector.w_in.weight, std=std)
+        nn.init.normal_(self.projector.w_out.weight, std=std)
+
+    def forward(self, patches_NP: Tensor, grid_thw_M3: Tensor) -> Tensor:
+        """-> (N / merge^2, out_dim) merged visual tokens, media in input order."""
+        if patches_NP.shape[-1] != self.cfg.patch_dim:
+            raise ValueError(f"patches: need {self.cfg.patch_dim} values per patch "
+                             f"(C * tp * p * p) (got {patches_NP.shape[-1]})")
+        if grid_thw_M3.shape[0] == 0:
+            return self._no_media(patches_NP)
+        return self._encode(patches_NP, grid_thw_M3)
+
+    def _no_media(self, patches_NP: Tensor) -> Tensor:
+        """No media: run one blank frame and return 0 rows still tied to every parameter.
+
+        Every rank then runs the same blocks (FSDP2 collectives stay matched) and every vision
+        parameter gets a (zero) gradient.
+        """
+        m = self.cfg.merge
+        blank_NP = patches_NP.new_zeros(m * m, self.cfg.patch_dim)
+        grid_13 = torch.tensor([[1, m, m]], device=patches_NP.device)
+        out_QO = self._encode(blank_NP, grid_13)
+        return out_QO[:0] + 0.0 * out_QO.sum()
+
+    def _encode(self, patches_NP: Tensor, grid_thw_M3: Tensor) -> Tensor:
+        cfg, N = self.cfg, patches_NP.shape[0]
+        medium_N, pos_3N, src_N = patch_layout(grid_thw_M3, N, cfg.merge)
+        head_dim = cfg.dim // cfg.n_heads
+        angles_NF = axial_angles(pos_3N, vision_freqs(head_dim, cfg.rope_theta, patches_NP.device))
+        cos_11NF, sin_11NF = angles_NF.cos()[None, None], angles_NF.sin()[None, None]
+        meta = build_meta(medium_N[None], medium_N[None], self.attn_cfg.block_size)
+        x_1ND = self.patch_embed(patches_NP)[None]
+        for blk in self.blocks:
+            x_1ND = blk(x_1ND, cos_11NF, sin_11NF, meta, self.attn_cfg)
+        x_ND = self.norm(x_1ND[0])
+        x_QD4 = x_ND[src_N].reshape(N // cfg.merge ** 2, cfg.merge ** 2 * cfg.dim)
+        return self.projector(x_QD4)

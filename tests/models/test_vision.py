@@ -1,0 +1,82 @@
+"""Vision encoder: media never see each other, merge order, video vs image, no media.
+
+Legend: N patches, P patch dim, Q merged tokens, O output dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.attention import AttentionConfig
+from models.vision import VisionConfig, VisionEncoder, patch_layout
+
+CFG = VisionConfig(dim=32, depth=2, n_heads=2, patch_size=4, merge=2)
+P = CFG.patch_dim
+
+
+def _encoder(backend: str = "dense") -> VisionEncoder:
+    return VisionEncoder(CFG, 48, AttentionConfig(backend=backend, block_size=8)).eval()
+
+
+def _rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    return ((x - y).norm() / y.norm()).item()
+
+
+@pytest.mark.parametrize("backend", ["dense", "gather"])
+def test_packed_media_do_not_see_each_other(backend: str) -> None:
+    enc = _encoder(backend)
+    img_NP = torch.randn(4 * 6, P)
+    alone_QO = enc(img_NP, torch.tensor([[1, 4, 6]]))
+    others = [(torch.randn(2 * 4 * 2, P), [2, 4, 2]), (torch.randn(6 * 2, P), [1, 6, 2])]
+    packed_NP = torch.cat([others[0][0], img_NP, others[1][0]])
+    grid_M3 = torch.tensor([others[0][1], [1, 4, 6], others[1][1]])
+    packed_QO = enc(packed_NP, grid_M3)
+    assert packed_QO.shape == (packed_NP.shape[0] // 4, 48)  # N / merge^2, decoder width
+    torch.testing.assert_close(packed_QO[4:10], alone_QO, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_groups_2x2_neighbourhoods_in_raster_order() -> None:
+    grid_M3 = torch.tensor([[1, 2, 2], [2, 4, 4]])
+    medium_N, pos_3N, src_N = patch_layout(grid_M3, 4 + 32, merge=2)
+    assert src_N[:4].tolist() == [0, 1, 2, 3]
+    # second medium starts at 4: first merged token = rows {0,1} x cols {0,1} of its frame 0
+    assert src_N[4:8].tolist() == [4 + 0, 4 + 1, 4 + 4, 4 + 5]
+    assert src_N[8:12].tolist() == [4 + 2, 4 + 3, 4 + 6, 4 + 7]  # next along w
+    assert src_N[20:24].tolist() == [4 + 16, 4 + 17, 4 + 20, 4 + 21]  # frame 1 after frame 0
+    assert sorted(src_N.tolist()) == list(range(36))
+    assert medium_N.tolist() == [0] * 4 + [1] * 32
+    assert pos_3N[:, 4 + 21].tolist() == [1, 1, 1]  # (t, h, w) of patch 21 of a 2x4x4 grid
+
+
+def test_video_of_a_static_frame_is_sane() -> None:
+    enc = _encoder()
+    frame_NP = torch.randn(16, P)
+    image_QO = enc(frame_NP, torch.tensor([[1, 4, 4]]))
+    video_QO = enc(torch.cat([frame_NP, frame_NP]), torch.tensor([[2, 4, 4]]))
+    other_QO = enc(torch.randn(16, P), torch.tensor([[1, 4, 4]]))
+    assert video_QO.shape == (8, 48)
+    assert _rel(video_QO[:4], image_QO) < 0.2 * _rel(other_QO, image_QO)  # same content, same tokens
+    assert _rel(video_QO[4:], image_QO) < 0.2 * _rel(other_QO, image_QO)
+    assert not torch.allclose(video_QO[:4], video_QO[4:])  # frames are ordered, not a bag
+
+
+def test_no_media_returns_zero_rows_and_zero_gradients() -> None:
+    enc = _encoder().train()
+    out_QO = enc(torch.zeros(0, P), torch.zeros(0, 3, dtype=torch.long))
+    assert out_QO.shape == (0, 48)
+    (out_QO.sum() + 0.0).backward()
+    for name, p in enc.named_parameters():
+        assert p.grad is not None and not p.grad.any(), name
+
+
+def test_bad_inputs_are_named() -> None:
+    enc = _encoder()
+    with pytest.raises(ValueError, match="grid_thw:"):
+        enc(torch.randn(10, P), torch.tensor([[1, 4, 4]]))
+    with pytest.raises(ValueError, match="grid_thw:"):
+        enc(torch.randn(12, P), torch.tensor([[1, 3, 4]]))
+    with pytest.raises(ValueError, match="patches:"):
+        enc(torch.randn(16, P + 1), torch.tensor([[1, 4, 4]]))
+    with pytest.raises(ValueError, match="n_heads:"):
+        VisionConfig(dim=36, n_heads=4)
