@@ -19,6 +19,7 @@ from mmtrain.errors import UserError
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "state.pt"
 CONFIG_FILE = "config.yaml"
+TOKENIZER_FILE = "tokenizer.json"  # a copy, so a checkpoint is usable without the corpus
 
 
 class Checkpointer:
@@ -40,13 +41,18 @@ class Checkpointer:
         ckpts = self.checkpoints()
         return ckpts[-1] if ckpts else None
 
-    def save(self, step: int, state: dict[str, Any], config_text: str) -> Path:
+    def save(
+        self, step: int, state: dict[str, Any], config_text: str, files: dict[str, Path] | None = None
+    ) -> Path:
+        """Write `state`, the resolved config and extra `files` (name -> source) atomically."""
         final = self.run_dir / f"step_{step}"
         tmp = self.run_dir / f".step_{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         torch.save(state, tmp / STATE_FILE)
         (tmp / CONFIG_FILE).write_text(config_text, encoding="utf-8")
+        for name, source in (files or {}).items():
+            shutil.copyfile(source, tmp / name)
         _fsync_tree(tmp)
         if final.exists():  # re-saving the same step (e.g. final == periodic): replace it
             shutil.rmtree(final)
@@ -71,6 +77,19 @@ def load_state(path: str | Path, map_location: str | torch.device = "cpu") -> di
         return torch.load(file, map_location=map_location, weights_only=False)
     except Exception as e:  # a truncated or foreign file: say so in one line
         raise UserError(f"{file}: cannot read checkpoint: {e}") from None
+
+
+def load_for_inference(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], Path | None]:
+    """(resolved config as a dict, model state dict, tokenizer file or None) of a checkpoint.
+
+    The entry point for consumers outside training (attention maps, evaluation, export).
+    """
+    path = Path(path)
+    state = load_state(path)
+    if "model" not in state or "config" not in state:
+        raise UserError(f"{path}: not an mmtrain checkpoint (no model or config inside)")
+    tokenizer = path / TOKENIZER_FILE if path.is_dir() else None
+    return state["config"], state["model"], tokenizer if tokenizer and tokenizer.is_file() else None
 
 
 def _fsync_tree(path: Path) -> None:

@@ -20,7 +20,7 @@ from data_pipelines.batch import TASK_NAMES, PackedBatch
 from data_pipelines.loader import build_loader
 from data_pipelines.tokenizer import load_tokenizer
 from mmtrain.balance import build_balancer
-from mmtrain.checkpoint import Checkpointer, load_state
+from mmtrain.checkpoint import TOKENIZER_FILE, Checkpointer, load_state
 from mmtrain.config import to_dict
 from mmtrain.errors import UserError
 from mmtrain.evaluate import EvalResult, evaluate
@@ -111,7 +111,9 @@ class Trainer:
         return latest
 
     def save_checkpoint(self) -> Path:
-        return self.checkpointer.save(self.step, self.state_dict(), self.config_text)
+        tok = Path(self.cfg.data.tokenizer)
+        files = {TOKENIZER_FILE: tok} if tok.is_file() else {}
+        return self.checkpointer.save(self.step, self.state_dict(), self.config_text, files)
 
     # ----- training ----------------------------------------------------------------------
     def fit(self) -> dict:
