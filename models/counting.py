@@ -52,6 +52,11 @@ def _matmul_params(module: nn.Module, skip: tuple[nn.Parameter, ...] = ()) -> in
     return sum(p.numel() for p in module.parameters() if p.dim() >= 2 and id(p) not in skip_ids)
 
 
+def _vision_tables(vision: nn.Module) -> tuple[nn.Parameter, ...]:
+    """Position-embedding lookups: 2-D parameters that are indexed, not multiplied."""
+    return tuple(p for p in (vision.row_embed, vision.col_embed) if p is not None)
+
+
 def attention_keys(model: nn.Module, layer: int, seq_len: int) -> float:
     """Keys read per query in a decoder layer (mean over positions, whole-row documents)."""
     dec = model.cfg.decoder
@@ -73,6 +78,6 @@ def flops_per_token(model: nn.Module, seq_len: int, visual_fraction: float = 0.0
     attn = sum(12 * dec.n_heads * dec.head_dim * attention_keys(model, i, seq_len)
                for i in range(dec.n_layers))
     projector = _matmul_params(model.vision.projector)  # runs once per merged token
-    per_patch = 6 * (_matmul_params(model.vision) - projector) + 12 * vis.dim * patches_per_medium * vis.depth
+    per_patch = 6 * (_matmul_params(model.vision, _vision_tables(model.vision)) - projector) + 12 * vis.dim * patches_per_medium * vis.depth
     per_visual_token = vis.merge ** 2 * per_patch + 6 * projector
     return dense + attn + visual_fraction * per_visual_token

@@ -43,8 +43,15 @@ class VisionConfig:
     qk_norm: bool = True
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    # Learned absolute position of a patch inside its frame, as G row + G column embeddings
+    # indexed by the patch's relative coordinate (h * G // H): resolution-free. RoPE alone is
+    # translation-equivariant, so "top left" would have to be inferred from the decoder's
+    # M-RoPE offsets; this makes it a feature of the visual token. 0 disables.
+    abs_pos_grid: int = 0
 
     def __post_init__(self) -> None:
+        if self.abs_pos_grid < 0:
+            raise ValueError(f"abs_pos_grid: must be >= 0 (got {self.abs_pos_grid})")
         for name in ("patch_size", "temporal_patch", "in_channels", "dim", "depth", "n_heads", "merge"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
@@ -109,6 +116,9 @@ class VisionEncoder(nn.Module):
         self.cfg, self.out_dim = cfg, out_dim
         self.attn_cfg = attn_cfg or AttentionConfig()
         self.patch_embed = nn.Linear(cfg.patch_dim, cfg.dim, bias=True)
+        G = cfg.abs_pos_grid
+        self.row_embed = nn.Parameter(torch.empty(G, cfg.dim)) if G else None
+        self.col_embed = nn.Parameter(torch.empty(G, cfg.dim)) if G else None
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         merged = cfg.dim * cfg.merge ** 2
@@ -119,6 +129,9 @@ class VisionEncoder(nn.Module):
         std, out_std = self.cfg.init_std, self.cfg.init_std / (2 * self.cfg.depth) ** 0.5
         nn.init.normal_(self.patch_embed.weight, std=std)
         nn.init.zeros_(self.patch_embed.bias)
+        if self.row_embed is not None:
+            nn.init.normal_(self.row_embed, std=std)
+            nn.init.normal_(self.col_embed, std=std)
         for blk in self.blocks:
             blk.attn.reset_parameters(std, out_std)
             nn.init.normal_(blk.mlp.w_in.weight, std=std)
@@ -137,6 +150,14 @@ class VisionEncoder(nn.Module):
         if grid_thw_M3.shape[0] == 0:
             return self._no_media(patches_NP)
         return self._encode(patches_NP, grid_thw_M3)
+
+    def _abs_pos(self, grid_thw_M3: Tensor, medium_N: Tensor, pos_3N: Tensor) -> Tensor:
+        """(N, D) row + column embedding of each patch's relative place in its frame."""
+        G = self.cfg.abs_pos_grid
+        hw_N2 = grid_thw_M3.long()[medium_N, 1:]
+        row_N = pos_3N[1] * G // hw_N2[:, 0]
+        col_N = pos_3N[2] * G // hw_N2[:, 1]
+        return self.row_embed[row_N] + self.col_embed[col_N]
 
     def _no_media(self, patches_NP: Tensor) -> Tensor:
         """No media: run one blank frame and return 0 rows still tied to every parameter.
@@ -158,6 +179,8 @@ class VisionEncoder(nn.Module):
         cos_11NF, sin_11NF = angles_NF.cos()[None, None], angles_NF.sin()[None, None]
         meta = build_meta(medium_N[None], medium_N[None], self.attn_cfg.block_size)
         x_1ND = self.patch_embed(patches_NP)[None]
+        if self.row_embed is not None:
+            x_1ND = x_1ND + self._abs_pos(grid_thw_M3, medium_N, pos_3N)[None]
         for blk in self.blocks:
             x_1ND = blk(x_1ND, cos_11NF, sin_11NF, meta, self.attn_cfg)
         x_ND = self.norm(x_1ND[0])

@@ -62,9 +62,13 @@ def _pick(rng: np.random.Generator, options):
 
 
 def sample_objects(rng: np.random.Generator, max_objects: int = 2) -> list[Obj]:
-    """1..max_objects objects in distinct grid cells (so they never overlap)."""
+    """1..max_objects objects in distinct grid cells (so they never overlap), in reading order.
+
+    Captions name objects in that order (top to bottom, left to right), so which object a word
+    describes is decided by the pixels, not by a coin flip the model cannot see.
+    """
     n = int(rng.integers(1, max_objects + 1))
-    cells = rng.choice(len(POSITIONS), size=n, replace=False)
+    cells = np.sort(rng.choice(len(POSITIONS), size=n, replace=False))
     return [
         Obj(_pick(rng, SHAPES), _pick(rng, COLOR_NAMES), _pick(rng, SIZES), POSITIONS[int(c)]) for c in cells
     ]
@@ -105,7 +109,7 @@ def sample_video_objects(rng: np.random.Generator, max_objects: int = 2) -> list
         )  # fmt: skip
         if all(_lane(o) != _lane(obj) for o in out):
             out.append(obj)
-    return out
+    return sorted(out, key=lambda o: POSITIONS.index(o.position))  # reading order of start cells
 
 
 # ---- captions -------------------------------------------------------------------------------

@@ -80,3 +80,23 @@ def test_bad_inputs_are_named() -> None:
         enc(torch.randn(16, P + 1), torch.tensor([[1, 4, 4]]))
     with pytest.raises(ValueError, match="n_heads:"):
         VisionConfig(dim=36, n_heads=4)
+
+
+def test_abs_pos_embedding_is_resolution_free_and_packing_safe():
+    """Absolute positions are relative coordinates: an image alone equals it packed with others."""
+    torch.manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    cfg = VisionConfig(dim=32, depth=1, n_heads=2, abs_pos_grid=4)
+    enc = VisionEncoder(cfg, out_dim=16).eval()
+    a = torch.randn(1 * 4 * 6, cfg.patch_dim)
+    b = torch.randn(1 * 8 * 2, cfg.patch_dim)
+    alone = enc(a, torch.tensor([[1, 4, 6]]))
+    packed = enc(torch.cat([b, a]), torch.tensor([[1, 8, 2], [1, 4, 6]]))
+    torch.testing.assert_close(packed[-alone.shape[0]:], alone, rtol=1e-5, atol=1e-5)
+    # A flat frame: without absolute positions every merged token is the same (RoPE only sees
+    # relative offsets); with them, the corners differ.
+    flat = torch.randn(1, cfg.patch_dim).expand(4 * 4, -1)
+    grid = torch.tensor([[1, 4, 4]])
+    no_pos = VisionEncoder(VisionConfig(dim=32, depth=1, n_heads=2), out_dim=16).eval()
+    out_plain, out_pos = no_pos(flat, grid), enc(flat, grid)
+    torch.testing.assert_close(out_plain[0], out_plain[-1], rtol=1e-5, atol=1e-5)
+    assert (out_pos[0] - out_pos[-1]).abs().max() > 1e-3
