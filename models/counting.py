@@ -78,6 +78,7 @@ def flops_per_token(model: nn.Module, seq_len: int, visual_fraction: float = 0.0
     attn = sum(12 * dec.n_heads * dec.head_dim * attention_keys(model, i, seq_len)
                for i in range(dec.n_layers))
     projector = _matmul_params(model.vision.projector)  # runs once per merged token
-    per_patch = 6 * (_matmul_params(model.vision, _vision_tables(model.vision)) - projector) + 12 * vis.dim * patches_per_medium * vis.depth
+    tower = _matmul_params(model.vision, _vision_tables(model.vision)) - projector
+    per_patch = 6 * tower + 12 * vis.dim * patches_per_medium * vis.depth
     per_visual_token = vis.merge ** 2 * per_patch + 6 * projector
     return dense + attn + visual_fraction * per_visual_token

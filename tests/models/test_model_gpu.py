@@ -12,11 +12,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from models.attention import AttentionConfig
+from models.decoder import DecoderConfig
 from models.moe import MoE, MoEConfig
 from models.moe_dispatch import grouped_mm_supported, resolve_dispatch
-from models.multimodal import MultimodalModel
-from models.presets import build_config, preset
+from models.multimodal import ModelConfig, MultimodalModel
 from models.testing import IMAGE, VIDEO, pack, random_doc
+from models.vision import VisionConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -55,9 +57,14 @@ def test_dispatch_matches_loop_under_bf16_autocast(path: str) -> None:
 
 
 def test_tiny_model_trains_a_step_on_cuda() -> None:
-    cfg = build_config(preset("tiny"), vocab_size=512)
-    moe = cfg.decoder.moe
-    moe.modality_groups, moe.n_text_experts, moe.n_visual_experts = True, 4, 4
+    moe = MoEConfig(n_routed=8, top_k=2, n_shared=1, expert_dim=128, first_dense_layers=1,
+                    modality_groups=True, n_text_experts=4, n_visual_experts=4)
+    cfg = ModelConfig(
+        VisionConfig(patch_size=8, dim=96, depth=2, n_heads=4, abs_pos_grid=8),
+        DecoderConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384,
+                      mrope_sections=(4, 6, 6), layer_layout="FS",
+                      attention=AttentionConfig(block_size=32, window=64, top_k=2), moe=moe),
+    )
     model = MultimodalModel(cfg).cuda().train()
     P = cfg.vision.patch_dim
     rows = [[random_doc(512, P, 40, ((IMAGE, (1, 8, 8)),)), random_doc(512, P, 30)],

@@ -1,9 +1,12 @@
 """Train-step throughput of a model size on random packed batches, and MFU against the matmul
 peak measured in the same run.
 
-    python -m tools.bench.bench_model --size tiny                      # CPU, fp32
-    python -m tools.bench.bench_model --size small --device cuda --dtype bf16 --batch 4 --seq-len 4096
-    python -m tools.bench.bench_model --size base --count-only         # parameters only (meta device)
+    python -m tools.bench.bench_model --config configs/tiny.yaml              # CPU, fp32
+    python -m tools.bench.bench_model --config configs/small.yaml --device cuda --dtype bf16 \
+        --batch 4 --seq-len 4096
+    python -m tools.bench.bench_model --config configs/base.yaml --count-only # parameters only
+
+The model section of the run config is used; the data section is not (batches are random).
 
 A step = forward + cross-entropy + MoE aux losses + backward + AdamW + MoE bias update. MFU =
 model FLOPs per token (models.counting: 6 x active matmul params + attention at each layer's real
@@ -19,8 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mmtrain.config import load_config
+from mmtrain.run_config import RunConfig
 from models.multimodal import MultimodalModel
-from models.presets import PRESET_NAMES, build_config, preset
 from models.testing import IMAGE, VIDEO, pack, random_doc
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -80,8 +84,8 @@ def train_step(model: MultimodalModel, opt: torch.optim.Optimizer, inputs: dict,
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", choices=PRESET_NAMES, default="tiny")
-    ap.add_argument("--vocab", type=int, default=None, help="default: 512 for tiny, else 32768")
+    ap.add_argument("--config", default="configs/tiny.yaml", help="run config whose model section is used")
+    ap.add_argument("--vocab", type=int, default=32768, help="vocabulary size (the tokenizer's, in a run)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--visual-share", type=float, default=0.25, help="visual tokens / tokens (approx.)")
@@ -95,15 +99,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--count-only", action="store_true")
     args = ap.parse_args(argv)
 
-    d = preset(args.size)
+    cfg = load_config(RunConfig, args.config).model
     if args.backend:
-        d["decoder"]["attention"]["backend"] = args.backend
-    cfg = build_config(d, args.vocab or (512 if args.size == "tiny" else 32768))
+        cfg.decoder.attention.backend = args.backend
+    cfg.decoder.vocab_size = args.vocab
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if args.count_only:
         with torch.device("meta"):
             model = MultimodalModel(cfg)
-        print(f"{args.size}: {model.num_params()}, vocab {cfg.decoder.vocab_size}")
+        print(f"{args.config}: {model.num_params()}, vocab {cfg.decoder.vocab_size}")
         return
 
     torch.manual_seed(0)
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     flops_tok = model.flops_per_token(args.seq_len, vis_frac, int(ppm))
     peak = matmul_peak(device, dtype, args.peak_n or (8192 if device.type == "cuda" else 2048))
     tps = tokens / step_s
-    print(f"# {args.size}: {model.num_params()}")
+    print(f"# {args.config}: {model.num_params()}")
     print(f"# {args.device} {args.dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"batch {args.batch} x seq {args.seq_len}, visual {vis_frac:.0%}, {ppm:.0f} patches/medium")
     print(f"step best {step_s * 1e3:.1f} ms (median {median_s * 1e3:.1f}), {tps:,.0f} tokens/s, "
