@@ -1,0 +1,3 @@
+from tools.attention_maps.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""Load a checkpoint for inspection: config, model weights and tokenizer via `load_for_inference`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from data_pipelines.tokenizer import Tokenizer, load_tokenizer
+from mmtrain.checkpoint import load_for_inference
+from mmtrain.config import from_dict
+from mmtrain.errors import UserError
+from mmtrain.run_config import RunConfig
+from models.multimodal import MultimodalModel
+
+_PREFIXES = ("_orig_mod.", "module.")  # torch.compile / DDP wrappers
+
+
+@dataclass
+class Loaded:
+    path: Path
+    cfg: RunConfig
+    model: MultimodalModel
+    tokenizer: Tokenizer
+    device: torch.device
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available")
+    return torch.device(device)
+
+
+def _tokenizer_spec(path: Path, tok_file: Path | None, spec: str) -> str | Path:
+    """The checkpoint's own tokenizer copy, else the config's (relative to the working directory,
+    or to the checkpoint and the directories above it)."""
+    if tok_file is not None:
+        return tok_file
+    if spec == "byte" or Path(spec).exists() or Path(spec).is_absolute():
+        return spec
+    base = path.resolve() if path.is_dir() else path.resolve().parent
+    for d in [base, *base.parents][:4]:
+        if (d / spec).exists():
+            return d / spec
+    raise UserError(f"{path}: checkpoint has no tokenizer.json and its config's tokenizer {spec} "
+                    "was not found (run from the directory the run was trained in)")
+
+
+def _clean(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        for p in _PREFIXES:
+            k = k.replace(p, "")
+        out[k] = v.full_tensor() if hasattr(v, "full_tensor") else v  # a DTensor from a sharded save
+    return out
+
+
+def load_model(path: str | Path, device: str = "cpu") -> Loaded:
+    """Checkpoint directory -> model in eval mode on `device`, its run config and tokenizer."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"--ckpt {path}: no such checkpoint")
+    cfg_dict, state, tok_file = load_for_inference(path)
+    cfg = from_dict(RunConfig, cfg_dict, source=str(path))
+    tok = load_tokenizer(_tokenizer_spec(path, tok_file, cfg.data.tokenizer))
+    dec = cfg.model.decoder
+    if dec.vocab_size is None:
+        dec.vocab_size = tok.vocab_size
+    if dec.vocab_size < tok.vocab_size:
+        raise UserError(f"{path}: model vocabulary {dec.vocab_size} < tokenizer's {tok.vocab_size}: "
+                        "the tokenizer does not belong to this checkpoint")
+    try:
+        model = MultimodalModel(cfg.model)
+        missing, unexpected = model.load_state_dict(_clean(state), strict=False)
+    except (RuntimeError, ValueError) as e:  # shape mismatches
+        first = str(e).strip().splitlines()
+        raise UserError(f"{path}: weights do not match the checkpoint's config: "
+                        f"{first[1].strip() if len(first) > 1 else first[0]}") from None
+    if missing or unexpected:
+        what = [f"{len(missing)} missing (e.g. {missing[0]})"] if missing else []
+        what += [f"{len(unexpected)} unexpected (e.g. {unexpected[0]})"] if unexpected else []
+        raise UserError(f"{path}: weights do not match the checkpoint's config: {', '.join(what)} keys")
+    dev = resolve_device(device)
+    return Loaded(path, cfg, model.to(dev).eval(), tok, dev)

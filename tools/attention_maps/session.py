@@ -1,0 +1,192 @@
+"""What one `mmtrain-attn` invocation does: load, build the document(s), analyse, render, report."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from data_pipelines.ledger import SkipSample
+from mmtrain.errors import UserError
+
+from . import plots
+from .inputs import NoMediaError, doc_from_file, doc_from_sample, iter_val_samples, load_boxes, read_sample
+from .loading import Loaded, load_model
+from .maps import DocAttention, analyze_document, parse_layers
+from .metrics import Grounding, pointing_rows, scorable_words, token_records
+from .render import DocPictures, layer_kinds, render_document
+from .report import write_report
+
+
+@dataclass
+class Session:
+    args: object
+    loaded: Loaded
+    layers: list[int]
+    heads: str | list[int]
+    tokens: list[str] | None
+    out: Path
+
+    @classmethod
+    def open(cls, args) -> Session:
+        from .cli import parse_heads
+
+        loaded = load_model(args.ckpt, args.device)
+        dec = loaded.cfg.model.decoder
+        try:
+            layers = parse_layers(args.layers, dec.n_layers)
+        except ValueError as e:
+            raise UserError(f"--{e}") from None
+        heads = parse_heads(args.heads, dec.n_heads)
+        tokens = [t.strip().lower() for t in args.tokens.split(",") if t.strip()] if args.tokens else None
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            for stale in [*out.glob("maps/*.png"), *out.glob("maps/*.gif"), *out.glob("examples/*.png"),
+                          *out.glob("examples/*.gif")]:  # pictures of an earlier run into the same OUT
+                stale.unlink()
+        except OSError as e:
+            raise UserError(f"--out {out}: cannot create: {e.strerror or e}") from None
+        return cls(args, loaded, layers, heads, tokens, out)
+
+    # ----- pieces -----------------------------------------------------------------------------
+    def analyze(self, doc, all_maps: bool) -> DocAttention:
+        """all_maps: keep every row's map (to draw them); else only the rows the metrics need and
+        the --tokens ones (memory: a kept row is heads x visual tokens floats)."""
+        rows = None
+        if not all_maps or self.tokens:
+            rows = set(pointing_rows(doc))
+            for p in range(len(doc)):
+                piece, w = doc.token_strs[p].lower().strip(), doc.word_at(p)
+                if self.tokens and (piece in self.tokens or (w is not None and w.text in self.tokens)):
+                    rows |= {p, p - 1}
+        return analyze_document(self.loaded.model, doc, self.layers, self.args.chunk, self.loaded.device,
+                                None if rows is None else sorted(rows))
+
+    def grounding(self) -> Grounding:
+        dec = self.loaded.cfg.model.decoder
+        return Grounding(self.layers, dec.n_heads, self.heads if isinstance(self.heads, list) else None)
+
+    def base_metrics(self, mode: str) -> dict:
+        dec = self.loaded.cfg.model.decoder
+        return {"checkpoint": str(self.loaded.path), "command": self.command(), "mode": mode,
+                "layers": self.layers,
+                "layer_kinds": {str(l): "sparse" if dec.is_sparse(l) else "full" for l in self.layers},
+                "n_heads": dec.n_heads, "heads": self.heads, "query": self.args.query}
+
+    def command(self) -> str:
+        return "mmtrain-attn " + shlex.join(getattr(self.args, "argv", []) or [])
+
+    def figures(self, g: Grounding, att: DocAttention | None) -> list[tuple[str, Path]]:
+        kinds = layer_kinds(att) if att is not None else {
+            l: " S" if self.loaded.cfg.model.decoder.is_sparse(l) else " F" for l in self.layers}
+        figs = []
+        path = self.out / "mass_grid.png"
+        plots.mass_grid(g.totals.means()["mass"], self.layers, kinds, path,
+                        f"text→visual attention mass ({g.totals.rows} text rows)")
+        figs.append(("Text → visual mass per layer and head", path))
+        summary = g.to_dict()["pointing_game"]["token"]["summary"]
+        if summary:
+            path = self.out / "pointing.png"
+            plots.pointing_chart(summary, self.layers, path)
+            figs.append(("Pointing game per layer (token rows)", path))
+        return figs
+
+    def _write(self, metrics: dict, title: str, intro: str, figures, documents) -> Path:
+        (self.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n", encoding="utf-8")
+        report = self.out / "report.html"
+        write_report(report, title, intro, metrics, figures, documents)
+        return report
+
+    # ----- modes ------------------------------------------------------------------------------
+    def single_doc(self):
+        a, L = self.args, self.loaded
+        objects = load_boxes(a.boxes) if a.boxes else None
+        if a.image or a.video:
+            kind = "image" if a.image else "video"
+            return doc_from_file(a.image or a.video, kind, a.text, L.tokenizer, L.cfg.data, objects)
+        raw = read_sample(a.shard, a.key)
+        try:
+            return doc_from_sample(raw, L.tokenizer, L.cfg.data, a.text, objects)
+        except SkipSample as e:
+            raise UserError(f"{a.shard} {a.key}: unreadable sample: {e}") from None
+
+    def run_single(self) -> list[str]:
+        doc = self.single_doc()
+        att = self.analyze(doc, all_maps=True)
+        g = self.grounding()
+        trials = g.add(att)
+        pics = render_document(att, self.out / "maps", self.heads, self.tokens, self.args.query)
+        metrics = {**self.base_metrics("single"), "input": _doc_summary(doc), **g.to_dict(per_token=True),
+                   "tokens": token_records(att)}
+        intro = (f"<p>Checkpoint <code>{self.loaded.path}</code>; <code>{self.command()}</code>. "
+                 f"{_describe(doc)}</p>")
+        report = self._write(metrics, f"Attention maps: {doc.name}", intro, self.figures(g, att),
+                             [(att, pics, trials[self.args.query], f"{doc.kind}: {doc.name}")])
+        return [f"{doc.kind} {doc.name}: {len(doc)} tokens, {len(pics.tokens)} token maps",
+                *_headline_lines(metrics), f"report: {report}", f"metrics: {self.out / 'metrics.json'}"]
+
+    def run_val(self) -> list[str]:
+        L, n_want = self.loaded, self.args.from_val
+        g = self.grounding()
+        skipped: Counter = Counter()
+        examples: list[tuple[DocAttention, DocPictures, list, str]] = []
+        used = 0
+        for source, raw in iter_val_samples(L.cfg.data):
+            if used >= n_want:
+                break
+            try:
+                doc = doc_from_sample(raw, L.tokenizer, L.cfg.data)
+            except NoMediaError:
+                continue  # text-only: nothing to look at, not counted
+            except (SkipSample, UserError) as e:
+                skipped[getattr(e, "reason", "too_long")] += 1
+                continue
+            example = len(examples) < self.args.examples
+            att = self.analyze(doc, all_maps=example)
+            trials = g.add(att)
+            used += 1
+            if example:
+                # Examples draw the words that name a boxed object unless --tokens says otherwise.
+                words = self.tokens or sorted({w.text for w, _, _ in scorable_words(doc)}) or None
+                pics = render_document(att, self.out / "examples", self.heads, words, self.args.query,
+                                       prefix=f"{len(examples)}_")
+                examples.append((att, pics, trials[self.args.query], f"example {len(examples) + 1}: "
+                                 f"{doc.kind} {doc.name} ({source})"))
+        if used == 0:
+            raise UserError(f"{self.loaded.path}: the val split has no readable sample with media")
+        metrics = {**self.base_metrics("from_val"),
+                   "samples": {"requested": n_want, "used": used, "by_kind": dict(g.kinds),
+                               "skipped": dict(skipped)}, **g.to_dict()}
+        intro = (f"<p>Checkpoint <code>{self.loaded.path}</code>; <code>{self.command()}</code>. "
+                 f"{used} held-out documents with media ({', '.join(f'{v} {k}' for k, v in g.kinds.items())})"
+                 ", "
+                 f"round-robin over the val sources; {len(examples)} rendered below.</p>")
+        report = self._write(metrics, f"Attention maps over {used} val documents", intro,
+                             self.figures(g, examples[0][0] if examples else None), examples)
+        return [f"{used} val documents ({dict(g.kinds)})", *_headline_lines(metrics),
+                f"report: {report}", f"metrics: {self.out / 'metrics.json'}"]
+
+
+def _doc_summary(doc) -> dict:
+    return {"name": doc.name, "kind": doc.kind, "tokens": len(doc),
+            "media": [{"kind": m.kind_name, "grid_thw": list(m.grid_thw), "resized_hw": list(m.resized_hw),
+                       "orig_hw": list(m.orig_hw), "objects": len(m.objects)} for m in doc.media]}
+
+
+def _describe(doc) -> str:
+    media = ", ".join(f"{m.kind_name} {m.orig_hw[1]}×{m.orig_hw[0]} px → "
+                      f"{'×'.join(map(str, m.grid_thw))} tokens" for m in doc.media)
+    return f"{doc.kind} document of {len(doc)} tokens; media: {media}."
+
+
+def _headline_lines(metrics: dict) -> list[str]:
+    attn = metrics["attention"]["mass"]["per_layer"]
+    lines = ["text->visual mass per layer: " + ", ".join(f"L{l} {v:.3f}" for l, v in attn.items())]
+    for cat, h in metrics["headline"].items():
+        lines.append(f"pointing {cat}: {h['accuracy']:.3f} (mean map over layers; best L{h['best_layer']} "
+                     f"{h['best_layer_accuracy']:.3f}) vs chance {h['chance']:.3f} box / "
+                     f"{h['chance_cell']:.3f} random token, n={h['n']}")
+    return lines
