@@ -1,31 +1,53 @@
-"""Atomic checkpoints in the run directory: `RUN/step_<N>/` holds everything to resume.
+"""Atomic, reshardable checkpoints in the run directory, and loading them outside training.
 
-A checkpoint is written into a hidden temporary directory and renamed into place, so a crash
-mid-save leaves the previous checkpoint as the latest valid one. Only the last K are kept.
+Layout of `RUN/step_<N>/` (see docs/DISTRIBUTED.md):
+
+    dcp/            torch.distributed.checkpoint: model + optimizer, each rank its shards;
+                    loads at any world size (resharding)
+    state.pt        rank 0: step and token counters, scheduler, balancer, eval history, config
+    rank_<r>.pt     rank r: its data-loader state (with its corrupt-sample ledger), its RNG states
+    config.yaml     the resolved run config
+    tokenizer.json  a copy, so a checkpoint is usable without the corpus
+
+Every rank writes into the hidden `RUN/.step_<N>.tmp/`; after a barrier rank 0 renames it to
+`step_<N>` (a re-save of the same step swaps through `.step_<N>.old`). A crash at any point
+leaves the previous checkpoint as the newest complete one. Only the last K are kept.
+
+An export (`mmtrain export`) holds `model.safetensors` + `config.yaml` + `tokenizer.json`;
+`load_for_inference` reads both kinds (and the single-file `state.pt` checkpoints of before).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
+from mmtrain.distributed import DistEnv, barrier, broadcast_object
 from mmtrain.errors import UserError
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "state.pt"
+DCP_DIR = "dcp"
+RANK_FILE = "rank_{:05d}.pt"
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.json"  # a copy, so a checkpoint is usable without the corpus
+WEIGHTS_FILE = "model.safetensors"  # an export's consolidated weights
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str | Path, keep_last: int):
+    def __init__(self, run_dir: str | Path, keep_last: int, env: DistEnv | None = None):
         self.run_dir = Path(run_dir)
         self.keep_last = keep_last
+        self.env = env or DistEnv()
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -41,55 +63,166 @@ class Checkpointer:
         ckpts = self.checkpoints()
         return ckpts[-1] if ckpts else None
 
-    def save(
-        self, step: int, state: dict[str, Any], config_text: str, files: dict[str, Path] | None = None
-    ) -> Path:
-        """Write `state`, the resolved config and extra `files` (name -> source) atomically."""
-        final = self.run_dir / f"step_{step}"
-        tmp = self.run_dir / f".step_{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        torch.save(state, tmp / STATE_FILE)
-        (tmp / CONFIG_FILE).write_text(config_text, encoding="utf-8")
-        for name, source in (files or {}).items():
-            shutil.copyfile(source, tmp / name)
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving the same step (e.g. final == periodic): replace it
-            shutil.rmtree(final)
+    def latest_agreed(self) -> Path | None:
+        """The newest complete checkpoint as rank 0 sees it (after undoing a half-done swap),
+        the same on every rank."""
+        if self.env.is_main:
+            self._recover()
+        return broadcast_object(self.latest() if self.env.is_main else None, self.env)
+
+    def save(self, step: int, dcp_state: dict, shared: dict, per_rank: dict, config_text: str,
+             files: dict[str, Path] | None = None, before_commit: Callable[[], None] | None = None) -> Path:
+        """Collective: every rank calls it. `dcp_state` goes through torch.distributed.checkpoint,
+        `shared` (rank 0's) to state.pt, `per_rank` to rank_<r>.pt; then the atomic rename."""
+        import torch.distributed.checkpoint as dcp
+
+        env = self.env
+        final, tmp = self.run_dir / f"step_{step}", self.run_dir / f".step_{step}.tmp"
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier(env)
+        with quiet_single_process():
+            dcp.save(dcp_state, checkpoint_id=tmp / DCP_DIR, no_dist=not env.distributed)  # fsyncs files
+        rank_file = tmp / RANK_FILE.format(env.rank)
+        torch.save(per_rank, rank_file)
+        _fsync(rank_file)
+        if env.is_main:
+            (tmp / CONFIG_FILE).write_text(config_text, encoding="utf-8")
+            for name, source in (files or {}).items():
+                shutil.copyfile(source, tmp / name)
+            torch.save(shared, tmp / STATE_FILE)
+            _fsync_tree(tmp)
+        if before_commit is not None:
+            before_commit()
+        barrier(env)  # every rank's files are on disk
+        if env.is_main:
+            self._commit(tmp, final)
+            self._prune()
+        barrier(env)  # nobody reads or re-saves before the rename
+        return final
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        old = final.with_name(f".{final.name}.old")
+        if final.exists():  # re-saving the same step: keep the old copy until the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
         _fsync(self.run_dir)
-        self._prune()
-        return final
+        shutil.rmtree(old, ignore_errors=True)
+
+    def _recover(self) -> None:
+        """A crash between the two renames of a re-save leaves `.step_N.old` and no `step_N`."""
+        if not self.run_dir.is_dir():
+            return
+        for old in self.run_dir.glob(".step_*.old"):
+            final = old.with_name(old.name[1 : -len(".old")])
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(old, final)
 
     def _prune(self) -> None:
         for old in self.checkpoints()[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-        for stale in self.run_dir.glob(".step_*.tmp"):
+        for stale in self.run_dir.glob(".step_*.tmp"):  # half-written saves of crashed launches
             shutil.rmtree(stale, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def quiet_single_process():
+    """DCP warns on every save/load without a process group; one process is a normal case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
 def load_state(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """state.pt of a checkpoint: counters, scheduler, balancer, evals, config (and, in the
+    single-file checkpoints of before, everything)."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
     if not file.is_file():
         raise UserError(f"{path}: not a checkpoint (no {STATE_FILE})")
-    try:
-        return torch.load(file, map_location=map_location, weights_only=False)
-    except Exception as e:  # a truncated or foreign file: say so in one line
-        raise UserError(f"{file}: cannot read checkpoint: {e}") from None
+    return _torch_load(file, map_location)
+
+
+def load_rank_state(path: str | Path, rank: int) -> dict[str, Any] | None:
+    file = Path(path) / RANK_FILE.format(rank)
+    return _torch_load(file, "cpu") if file.is_file() else None
+
+
+def saved_world_size(path: str | Path) -> int:
+    return sum(1 for _ in Path(path).glob("rank_*.pt"))
+
+
+def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model state dict of a DCP checkpoint, read in this process alone."""
+    # What DCP's own format_utils.dcp_to_torch_save does: read without a state dict to fill,
+    # here only the "model" entries, with no process group (works inside or outside a job).
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    root = Path(path) / DCP_DIR
+    if not (root / ".metadata").is_file():
+        raise UserError(f"{path}: not a checkpoint (no {DCP_DIR}/.metadata)")
+    state: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            planner = _EmptyStateDictLoadPlanner(keys={"model"})
+            _load_state_dict(state, FileSystemReader(root), planner=planner, no_dist=True)
+        except BaseException as e:  # CheckpointException derives from BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise UserError(f"{path}: cannot read the model weights: {_first_line(e)}") from None
+    return state["model"]
 
 
 def load_for_inference(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], Path | None]:
-    """(resolved config as a dict, model state dict, tokenizer file or None) of a checkpoint.
+    """(resolved config as a dict, full model state dict on CPU, tokenizer file or None).
 
-    The entry point for consumers outside training (attention maps, evaluation, export).
+    The entry point for consumers outside training (attention maps, evaluation, export). `path`
+    is a checkpoint directory `RUN/step_<N>`, an export directory (`mmtrain export`), or a
+    single-file checkpoint of the old format.
     """
     path = Path(path)
+    if (path / WEIGHTS_FILE).is_file():
+        return _load_export(path)
     state = load_state(path)
-    if "model" not in state or "config" not in state:
-        raise UserError(f"{path}: not an mmtrain checkpoint (no model or config inside)")
+    if "config" not in state:
+        raise UserError(f"{path}: not an mmtrain checkpoint (no config inside)")
+    model = state["model"] if "model" in state else load_model_state(path)
     tokenizer = path / TOKENIZER_FILE if path.is_dir() else None
-    return state["config"], state["model"], tokenizer if tokenizer and tokenizer.is_file() else None
+    return state["config"], model, tokenizer if tokenizer and tokenizer.is_file() else None
+
+
+def _load_export(path: Path) -> tuple[dict[str, Any], dict[str, Any], Path | None]:
+    from safetensors.torch import load_file
+
+    cfg_file = path / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise UserError(f"{path}: export without {CONFIG_FILE}")
+    try:
+        config = yaml.safe_load(cfg_file.read_text(encoding="utf-8"))
+        weights = load_file(path / WEIGHTS_FILE)
+    except Exception as e:
+        raise UserError(f"{path}: cannot read the export: {_first_line(e)}") from None
+    tokenizer = path / TOKENIZER_FILE
+    return config, weights, tokenizer if tokenizer.is_file() else None
+
+
+def _torch_load(file: Path, map_location) -> dict[str, Any]:
+    try:
+        return torch.load(file, map_location=map_location, weights_only=False)
+    except Exception as e:  # a truncated or foreign file: say so in one line
+        raise UserError(f"{file}: cannot read checkpoint: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _fsync_tree(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""`mmtrain` command line: `train`, `data synth|write|inspect`.
+"""`mmtrain` command line: `train`, `export`, `data synth|write|inspect`, `attn` (= `mmtrain-attn`).
 
 User mistakes (bad config, missing data, unwritable paths) print one line and exit 2; anything
 else is a bug and keeps its traceback.
@@ -27,15 +27,24 @@ def run_guarded(fn: Callable[[], int]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from data_pipelines import cli as data_cli
-    from mmtrain import train
+    from mmtrain import export, train
 
     parser = argparse.ArgumentParser(prog="mmtrain", description="joint text + image + video pretraining")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="train a run config (resumes from RUN_DIR's latest checkpoint)")
     train.add_arguments(p_train)
     p_train.set_defaults(func=train.run)
+    p_export = sub.add_parser("export", help="consolidated weights (safetensors + config + tokenizer) "
+                                             "of a checkpoint")
+    export.add_arguments(p_export)
+    p_export.set_defaults(func=export.run)
     p_data = sub.add_parser("data", help="write, synthesise and inspect webdataset shards")
     data_cli.add_commands(p_data)
+    from tools.attention_maps import cli as attn_cli  # tools -> mmtrain: imported only here, argparse only
+
+    p_attn = sub.add_parser("attn", help="attention maps: where text tokens look in images and video")
+    attn_cli.add_arguments(p_attn)
+    p_attn.set_defaults(func=attn_cli.run)
     return parser
 
 

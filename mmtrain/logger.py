@@ -1,7 +1,9 @@
-"""Run logging: TensorBoard scalars, a live progress line with ETA, and a plain log file."""
+"""Run logging: TensorBoard scalars, a live progress line with ETA, a plain log file per rank and
+a per-step metrics.jsonl (full-precision losses: what the resume tests compare)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -11,20 +13,27 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class RunLogger:
-    """Rank 0 writes TensorBoard and the console; every rank may keep its own text log."""
+    """Rank 0 writes TensorBoard, metrics.jsonl and the console; every rank keeps its own text log
+    (`train.log` for rank 0, `train.rank<r>.log` for the others)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, console: bool = True):
-        self.enabled = console
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, console: bool = True,
+                 rank: int = 0):
+        self.enabled = console and rank == 0
         self.console = Console(stderr=False, highlight=False)
         self.total_steps = total_steps
         self._tb = None
         self._progress = None
         self._task = None
+        self._metrics = None
         self._last_plain = 0.0
-        self._logfile = open(run_dir / "train.log", "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        from torch.utils.tensorboard import SummaryWriter
+        name = "train.log" if rank == 0 else f"train.rank{rank}.log"
+        self._logfile = open(run_dir / name, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+            self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        console = self.enabled
         if console and self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]train"),
@@ -42,6 +51,13 @@ class RunLogger:
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, step)
+
+    def record(self, values: dict) -> None:
+        """One JSON line per step (rank 0). After a resume the replayed steps appear again:
+        the later line of a step wins."""
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(values) + "\n")
+            self._metrics.flush()
 
     def progress(self, step: int, info: str) -> None:
         """Update the live line; without a terminal, print a plain line at most every 10 s."""
@@ -69,4 +85,6 @@ class RunLogger:
             self._progress.stop()
         if self._tb is not None:
             self._tb.close()
+        if self._metrics is not None:
+            self._metrics.close()
         self._logfile.close()

@@ -51,6 +51,22 @@ class LossConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Fault injection, for tests and drills only (0 = off). The kill knobs fire in the first launch
+    only: after a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) they are ignored."""
+
+    nan_at_step: int = 0  # the loss of this optimizer step (1-based) becomes NaN on `rank`
+    kill_at_step: int = 0  # `rank` SIGKILLs itself after this step's update, before its eval/checkpoint
+    kill_in_save_at_step: int = 0  # ... while the checkpoint of this step is half written
+    rank: int = 0  # the rank the faults hit (the others must notice: skip together, or exit)
+
+    def __post_init__(self):
+        for name in ("nan_at_step", "kill_at_step", "kill_in_save_at_step", "rank"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
+
+
+@dataclass
 class TrainConfig:
     steps: int = 1000  # optimizer steps
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -64,14 +80,36 @@ class TrainConfig:
     ckpt_every: int = 200  # 0: only the final checkpoint
     keep_last: int = 2
     max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops
+    time_limit_min: float = 0.0  # stop cleanly (final eval + checkpoint) after this long; 0: no limit
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0: from the GPU name (H100/H200), else no MFU
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self):
         for name in ("steps", "grad_accum", "log_every", "keep_last", "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
-        for name in ("threads", "eval_every", "eval_batches", "ckpt_every"):
+        for name in ("threads", "eval_every", "eval_batches", "ckpt_every", "time_limit_min", "peak_tflops"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
+
+
+@dataclass
+class DistConfig:
+    """Parallelism, applied from outside the model (mmtrain/parallelize.py). Under torchrun with
+    WORLD_SIZE > 1 the ranks shard the model (fsdp) or replicate it (ddp); a single process uses
+    only `activation_checkpointing` and `compile`."""
+
+    strategy: Literal["fsdp", "ddp"] = "fsdp"  # fsdp: FSDP2 fully_shard per vision block / decoder layer
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    timeout_s: float = 600.0  # collective timeout: a dead or stuck rank ends the job instead of a hang
+    reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (ZeRO-3) or keep them
+    activation_checkpointing: bool = False  # recompute each vision block and decoder layer in backward
+    compile: bool = False  # torch.compile each vision block and decoder layer
+    meta_init: bool = True  # FSDP on CUDA: build on the meta device, shard, then initialise (no full copy)
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0 (got {self.timeout_s})")
 
 
 @dataclass
@@ -82,6 +120,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self):
         media, vision = self.data.media, self.model.vision

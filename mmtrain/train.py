@@ -1,4 +1,5 @@
-"""`python -m mmtrain.train CONFIG [--set key=value ...]` (also `mmtrain train`, and under torchrun)."""
+"""`python -m mmtrain.train CONFIG [--set key=value ...]` (also `mmtrain train`, and under torchrun:
+`torchrun --nproc-per-node 8 -m mmtrain.train CONFIG`; see docs/DISTRIBUTED.md)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmtrain.trainer import Trainer  # heavy imports only once the config is known to parse
+    # heavy imports only once the config is known to parse
+    from mmtrain.distributed import init_distributed, shutdown
+    from mmtrain.trainer import Trainer
 
     overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
     cfg = load_config(RunConfig, args.config, overrides)
     t0 = time.perf_counter()
-    summary = Trainer(cfg, verbose=not args.quiet).fit()
-    if not args.quiet:
+    env = init_distributed(cfg.dist, cfg.train.device)
+    # On an error the process just exits (non-zero): torchrun then stops the other ranks, which
+    # may be blocked in a collective that this rank will never join.
+    summary = Trainer(cfg, verbose=not args.quiet, env=env).fit()
+    shutdown()
+    if not args.quiet and env.is_main:
         print_summary(summary, time.perf_counter() - t0)
+        print(perf_line(summary))
     return 0
+
+
+def perf_line(summary: dict) -> str:
+    mfu = summary.get("mfu")
+    return (f"throughput {summary['tokens_per_s_per_device']:,.0f} tokens/s per device "
+            f"x {summary['world_size']} device(s); MFU {'n/a' if mfu is None else f'{mfu:.1%}'}; "
+            f"peak memory {summary['peak_mem_gib']:.2f} GiB")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,14 @@
 """The training loop: data -> model -> per-modality losses -> AdamW, with eval and checkpoints.
 
-Single-process here; parallelism is applied from outside the model (see mmtrain/distributed).
+One process, or one rank of a torchrun job: parallelism is applied from outside the model
+(mmtrain/parallelize.py), the process group comes from mmtrain/distributed.py, checkpoints from
+mmtrain/checkpoint.py + train_state.py.
+
+Losses across ranks. A micro-batch's loss is the sum over tasks of weight * (CE summed over the
+task's trained tokens / the task's trained tokens on ALL ranks), so the ranks' shares add up to
+exactly the loss of one process holding the whole global batch; backward runs on share x world
+size because FSDP/DDP average gradients. Every rank then takes the same decisions (skip a
+non-finite step, stop at the time limit) from all-reduced numbers.
 """
 
 from __future__ import annotations
@@ -8,28 +16,37 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import random
+import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
+import yaml
 
-from data_pipelines.batch import TASK_NAMES, PackedBatch
+from data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TEXT, PackedBatch
 from data_pipelines.loader import build_loader
 from data_pipelines.tokenizer import load_tokenizer
+from mmtrain import train_state
 from mmtrain.balance import build_balancer
-from mmtrain.checkpoint import TOKENIZER_FILE, Checkpointer, load_state
+from mmtrain.checkpoint import TOKENIZER_FILE, Checkpointer
 from mmtrain.config import to_dict
+from mmtrain.dist_eval import dummy_batch, evaluate_ranks
+from mmtrain.distributed import DistEnv, all_reduce, current_env, pick_device, restart_count
 from mmtrain.errors import UserError
-from mmtrain.evaluate import EvalResult, evaluate
+from mmtrain.evaluate import EvalResult
 from mmtrain.logger import RunLogger
 from mmtrain.objectives import task_losses, weighted_total, z_loss
 from mmtrain.optim import build_optimizer, build_scheduler
+from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync
+from mmtrain.perf import Window, peak_memory_gib, peak_tflops
 from mmtrain.run_config import RunConfig
-from mmtrain.run_dir import prepare_run_dir, write_resolved_config
-from models.multimodal import MultimodalModel
+from mmtrain.run_dir import RESOLVED_CONFIG, prepare_run_dir
+
+PERF_WARMUP_STEPS = 3  # steps of each launch left out of the run's throughput (allocation, compile)
+_STATS = ("loss", *(f"sum_{t}" for t in TASK_NAMES), *(f"n_{t}" for t in TASK_NAMES),
+          "tokens", "visual", "media", "patches", "wait_s", "nonfinite", "time_up")
 
 
 @dataclass
@@ -37,97 +54,100 @@ class StepStats:
     loss: float
     task_loss: dict[str, float]
     grad_norm: float
-    tokens: int
-    data_wait_s: float
+    tokens: int  # all ranks
+    data_wait_s: float  # mean over ranks
     step_s: float
     skipped: bool
+    visual_tokens: int = 0
+    media: int = 0
+    patches: int = 0
+    time_up: bool = False
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, verbose: bool = True):
+    def __init__(self, cfg: RunConfig, verbose: bool = True, env: DistEnv | None = None):
         self.cfg = cfg
+        self.env = env or current_env()
         self.run_dir = prepare_run_dir(cfg.run_dir)
-        if cfg.train.threads:
-            torch.set_num_threads(cfg.train.threads)
-        self.device = _pick_device(cfg.train.device)
+        self.device = pick_device(cfg.train.device, self.env)
+        _set_threads(cfg.train.threads, self.env)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         _fill_vocab(cfg, self.tokenizer.vocab_size)
-        self.config_text = write_resolved_config(cfg, self.run_dir)
-        _seed_everything(cfg.train.seed)
-        self.model = MultimodalModel(cfg.model).to(self.device)
+        self.config_text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+        if self.env.is_main:
+            (self.run_dir / RESOLVED_CONFIG).write_text(self.config_text, encoding="utf-8")
+        train_state.seed_everything(cfg.train.seed)  # the same initial weights on every rank
+        self.raw_model, self.model = build_model(cfg, self.env, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.balancer = build_balancer(cfg.loss)
-        self.train_loader = build_loader(cfg.data, self.tokenizer, "train")
-        self.val_loader = build_loader(cfg.data, self.tokenizer, "val")
-        self.checkpointer = Checkpointer(self.run_dir, cfg.train.keep_last)
+        rank, world = self.env.rank, self.env.world_size
+        self.train_loader = build_loader(cfg.data, self.tokenizer, "train", rank, world)
+        self.val_loader = build_loader(cfg.data, self.tokenizer, "val", rank, world)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.train.keep_last, self.env)
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
+        self.consecutive_skips = 0
         self.evals: list[dict] = []  # {"step": N, ...EvalResult.to_dict()}
         self._val_cache: list[PackedBatch] | None = None
         self.verbose = verbose
-        self._consecutive_skips = 0
         self._wait_total = 0.0  # data-wait and step seconds since this process started
         self._time_total = 0.0
+        self._window, self._run_perf = Window(), Window()
+        self._launch_steps = 0
+        self._t_launch = time.monotonic()
+        self._peak = peak_tflops(self.device, cfg.train.peak_tflops)
+        self.resume_note: str | None = None
         self.resumed_from = self._resume()
 
     # ----- state -------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "balancer": self.balancer.state_dict(),
-            "data": self.train_loader.state_dict(),
-            "rng": _rng_state(),
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "skipped_steps": self.skipped_steps,
-            "evals": self.evals,
-            "config": to_dict(self.cfg),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.balancer.load_state_dict(state["balancer"])
-        self.train_loader.load_state_dict(state["data"])
-        _set_rng_state(state["rng"])
-        self.step = state["step"]
-        self.tokens_seen = state["tokens_seen"]
-        self.skipped_steps = state["skipped_steps"]
-        self.evals = list(state["evals"])
-
     def _resume(self) -> Path | None:
-        latest = self.checkpointer.latest()
+        latest = self.checkpointer.latest_agreed()
         if latest is None:
             return None
         try:
-            self.load_state_dict(load_state(latest))
+            self.resume_note = train_state.load_training_state(self, latest)
         except (KeyError, RuntimeError, ValueError) as e:
             raise UserError(f"{latest}: checkpoint does not match this config: {e}") from None
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            if type(e).__name__ != "CheckpointException":
+                raise
+            raise UserError(f"{latest}: cannot load checkpoint: {str(e).splitlines()[0]}") from None
         return latest
 
     def save_checkpoint(self) -> Path:
         tok = Path(self.cfg.data.tokenizer)
         files = {TOKENIZER_FILE: tok} if tok.is_file() else {}
-        return self.checkpointer.save(self.step, self.state_dict(), self.config_text, files)
+        kill_here = self.cfg.train.faults.kill_in_save_at_step == self.step
+        return self.checkpointer.save(
+            self.step, train_state.model_optim_state(self), train_state.shared_state(self),
+            train_state.rank_state(self), self.config_text, files,
+            before_commit=self._fault_kill if kill_here else None)
 
     # ----- training ----------------------------------------------------------------------
     def fit(self) -> dict:
         cfg = self.cfg.train
-        log = RunLogger(self.run_dir, cfg.steps, self.step, console=self.verbose)
+        log = RunLogger(self.run_dir, cfg.steps, self.step, console=self.verbose, rank=self.env.rank)
         try:
+            if self.env.distributed:
+                log.info(f"rank {self.env.rank}/{self.env.world_size} on {self.device}, "
+                         f"{self.cfg.dist.strategy}, {self.raw_model.num_params()}")
             if self.resumed_from is not None:
                 log.info(f"resumed from {self.resumed_from} at step {self.step}")
+            if self.resume_note and self.env.is_main:
+                log.info(f"warning: {self.resume_note}")
             if not self.evals:
                 self._evaluate(log)
             train_iter = iter(self.train_loader)
             while self.step < cfg.steps:
                 stats = self.train_step(train_iter)
                 self._log_step(log, stats)
+                if cfg.faults.kill_at_step == self.step:
+                    self._fault_kill()
+                if stats.time_up:
+                    log.info(f"train.time_limit_min {cfg.time_limit_min:g} reached at step {self.step}")
+                    break
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
                     self._evaluate(log)
                 if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < cfg.steps:
@@ -136,7 +156,8 @@ class Trainer:
                 self._evaluate(log)
             path = self.save_checkpoint()
             summary = self.summary(path)
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            if self.env.is_main:
+                (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             return summary
         finally:
             log.close()
@@ -145,32 +166,24 @@ class Trainer:
         t_start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        accum = self.cfg.train.grad_accum
+        accum, world = self.cfg.train.grad_accum, self.env.world_size
         weights = self.balancer.weights()
-        wait, tokens, total = 0.0, 0, 0.0
-        task_sum = dict.fromkeys(TASK_NAMES, 0.0)
-        task_count = dict.fromkeys(TASK_NAMES, 0)
-        for _ in range(accum):
+        acc = dict.fromkeys(_STATS, 0.0)
+        for i in range(accum):
             t0 = time.perf_counter()
             batch = next(train_iter)
-            wait += time.perf_counter() - t0
+            acc["wait_s"] += time.perf_counter() - t0
             batch = batch.to(self.device, non_blocking=True)
-            tokens += batch.num_tokens()
-            with self._autocast():
-                out = self.model(**batch.model_inputs())
-            losses = task_losses(out.logits_BSV, batch.labels_BS, batch.task_BS)
-            loss = weighted_total(losses, weights)
-            for aux in out.aux_losses.values():  # MoE balance and router z-loss, already weighted
-                loss = loss + aux
-            if self.cfg.loss.z_loss:
-                loss = loss + self.cfg.loss.z_loss * z_loss(out.logits_BSV, batch.labels_BS)
-            (loss / accum).backward()
-            total += float(loss.detach()) / accum
-            for t in TASK_NAMES:
-                task_sum[t] += float(losses.loss_sum[t].detach())
-                task_count[t] += int(losses.count[t])
-        grad_norm = self._clip_grads()
-        skipped = not (math.isfinite(total) and math.isfinite(grad_norm))
+            with grad_sync(self.model, self.env, last=i == accum - 1):
+                loss = self._micro_batch(batch, weights, acc)
+                (loss * world / accum).backward()
+            acc["loss"] += float(loss.detach()) / accum
+        grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        acc["nonfinite"] = float(not (math.isfinite(acc["loss"]) and math.isfinite(grad_norm)))
+        limit = self.cfg.train.time_limit_min
+        acc["time_up"] = float(bool(limit) and time.monotonic() - self._t_launch > limit * 60)
+        total = self._reduce(acc)
+        skipped = total["nonfinite"] > 0 or not math.isfinite(total["loss"])
         if skipped:
             self._skip_step()
         else:
@@ -178,39 +191,84 @@ class Trainer:
             self.scheduler.step()
             self._after_optimizer_step()
         self.step += 1
+        tokens = int(total["tokens"])
         self.tokens_seen += tokens
-        task_loss = {t: task_sum[t] / task_count[t] for t in TASK_NAMES if task_count[t]}
+        task_loss = {t: total[f"sum_{t}"] / total[f"n_{t}"] for t in TASK_NAMES if total[f"n_{t}"]}
         self.balancer.observe(task_loss, self.step)
-        return StepStats(total, task_loss, grad_norm, tokens, wait, time.perf_counter() - t_start, skipped)
+        return StepStats(total["loss"], task_loss, grad_norm, tokens, total["wait_s"] / world,
+                         time.perf_counter() - t_start, skipped, int(total["visual"]), int(total["media"]),
+                         int(total["patches"]), total["time_up"] > 0)
 
-    def _clip_grads(self) -> float:
-        clip = self.cfg.optim.grad_clip or float("inf")
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(params, clip))
+    def _micro_batch(self, batch: PackedBatch, weights: dict[str, float], acc: dict) -> torch.Tensor:
+        """Forward one micro-batch; -> this rank's share of its loss (the whole loss in one process)."""
+        world = self.env.world_size
+        if world > 1:  # trained tokens per task (and in all) on every rank, known before forward
+            counts = torch.stack([((batch.labels_BS != IGNORE_INDEX) & (batch.task_BS == t)).sum()
+                                  for t in range(len(TASK_NAMES))]).to(torch.float64)
+            counts = all_reduce(torch.cat([counts, counts.sum()[None]]), self.env).tolist()
+        with self._autocast():
+            out = self.model(**batch.model_inputs())
+        losses = task_losses(out.logits_BSV, batch.labels_BS, batch.task_BS)
+        local_n = [int(losses.count[t]) for t in TASK_NAMES]
+        if world > 1:  # the same sum as one process would form over the global micro-batch
+            losses.count = {t: torch.tensor(int(counts[i]), device=self.device)
+                            for i, t in enumerate(TASK_NAMES)}
+        loss = weighted_total(losses, weights)
+        for aux in out.aux_losses.values():  # MoE balance and router z-loss: means over rows/tokens
+            loss = loss + (aux / world if world > 1 else aux)
+        if self.cfg.loss.z_loss:
+            z = z_loss(out.logits_BSV, batch.labels_BS)
+            if world > 1:
+                z = z * (batch.loss_mask_BS.sum() / max(counts[-1], 1.0))
+            loss = loss + self.cfg.loss.z_loss * z
+        faults = self.cfg.train.faults
+        if faults.nan_at_step == self.step + 1 and faults.rank == self.env.rank:
+            loss = loss * float("nan")
+        for t, n in zip(TASK_NAMES, local_n):
+            acc[f"sum_{t}"] += float(losses.loss_sum[t].detach())
+            acc[f"n_{t}"] += n
+        real = batch.task_BS >= 0
+        acc["tokens"] += batch.num_tokens()
+        acc["visual"] += int((real & (batch.modality_BS != TEXT)).sum())
+        acc["media"] += batch.grid_thw_M3.shape[0]
+        acc["patches"] += batch.patches_NP.shape[0]
+        return loss
+
+    def _reduce(self, acc: dict) -> dict:
+        if not self.env.distributed:
+            return acc
+        vec = torch.tensor([acc[k] for k in _STATS], dtype=torch.float64, device=self.device)
+        return dict(zip(_STATS, all_reduce(vec, self.env).tolist()))
 
     def _skip_step(self) -> None:
         """A non-finite loss or gradient: drop the update, count it, stop if it keeps happening."""
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += 1
-        self._consecutive_skips += 1
-        if self._consecutive_skips >= self.cfg.train.max_skipped_steps:
+        self.consecutive_skips += 1
+        if self.consecutive_skips >= self.cfg.train.max_skipped_steps:
             raise UserError(
-                f"{self._consecutive_skips} consecutive non-finite steps at step {self.step}; "
-                f"stopping (last checkpoint: {self.checkpointer.latest()})"
+                f"{self.consecutive_skips} consecutive non-finite steps at step {self.step + 1}; "
+                f"stopping (last checkpoint, intact: {self.checkpointer.latest()})"
             )
 
     def _after_optimizer_step(self) -> None:
-        self._consecutive_skips = 0
-        self.model.update_moe_bias()  # auxiliary-loss-free balancing: load since the last step
+        self.consecutive_skips = 0
+        # auxiliary-loss-free balancing: the load of all ranks since the last step
+        self.raw_model.update_moe_bias(lambda t: all_reduce(t, self.env) if self.env.distributed else None)
 
     def _autocast(self):
         if self.device.type == "cuda" and self.cfg.train.dtype == "bfloat16":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _fault_kill(self) -> None:
+        """Fault injection (train.faults): SIGKILL this rank, in the first launch only."""
+        if self.env.rank == self.cfg.train.faults.rank and restart_count() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
     # ----- eval and logging --------------------------------------------------------------
     def val_batches(self) -> list[PackedBatch]:
-        """The held-out batches, read once: every evaluation sees exactly the same tokens."""
+        """This rank's held-out batches, read once: every evaluation sees exactly the same tokens."""
         if self._val_cache is None:
             limit = self.cfg.train.eval_batches or None
             self._val_cache = []
@@ -218,12 +276,16 @@ class Trainer:
                 self._val_cache.append(batch)
                 if limit and len(self._val_cache) >= limit:
                     break
-            if not self._val_cache:
+            total = all_reduce(torch.tensor([len(self._val_cache)], device=self.device), self.env)
+            if not int(total.item()):
                 raise UserError("the val split yielded no batches: check data.val shards")
         return self._val_cache
 
     def _evaluate(self, log: RunLogger) -> EvalResult:
-        result = evaluate(self.model, self.val_batches(), self.device, self._autocast)
+        media = self.cfg.data.media
+        patch_dim = 3 * media.temporal_patch * media.patch_size ** 2
+        result = evaluate_ranks(self.model, self.val_batches(), self.device, self.env,
+                                lambda: dummy_batch(self.cfg.data.seq_len, patch_dim), self._autocast)
         self.evals.append({"step": self.step, **result.to_dict()})
         log.scalars(self.step, result.scalars())
         parts = [f"{t} {v:.3f}" for t, v in result.loss.items()]
@@ -232,44 +294,71 @@ class Trainer:
         return result
 
     def _log_step(self, log: RunLogger, s: StepStats) -> None:
-        tok_s = s.tokens / max(s.step_s, 1e-9)
+        world = self.env.world_size
+        tok_s = s.tokens / world / max(s.step_s, 1e-9)  # per device
         wait = s.data_wait_s / max(s.step_s, 1e-9)
         self._wait_total += s.data_wait_s
         self._time_total += s.step_s
+        self._launch_steps += 1
+        self._window.add(s.tokens, s.visual_tokens, s.media, s.patches, s.step_s)
+        if self._launch_steps > PERF_WARMUP_STEPS:
+            self._run_perf.add(s.tokens, s.visual_tokens, s.media, s.patches, s.step_s)
         short = {"text": "txt", "image_text": "img", "video_text": "vid"}
         losses = " ".join(f"{short[t]} {v:.2f}" for t, v in s.task_loss.items())
-        log.progress(self.step, f"{losses} | {tok_s:,.0f} tok/s | wait {wait:.0%}")
+        unit = "tok/s/dev" if world > 1 else "tok/s"
+        log.progress(self.step, f"{losses} | {tok_s:,.0f} {unit} | wait {wait:.0%}")
+        lr = self.scheduler.get_last_lr()[0]
+        log.record({"step": self.step, "loss": s.loss, "task_loss": s.task_loss, "grad_norm": s.grad_norm,
+                    "lr": lr, "skipped": s.skipped, "tokens": s.tokens, "step_s": s.step_s,
+                    "wait_s": s.data_wait_s})
+        if s.skipped:
+            log.info(f"step {self.step}: non-finite loss or gradient, update skipped "
+                     f"({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
         if self.step % self.cfg.train.log_every == 0 or s.skipped:
             scalars = {f"train/loss_{t}": v for t, v in s.task_loss.items()}
             scalars.update({f"train/weight_{t}": w for t, w in self.balancer.weights().items()})
             scalars.update({
-                "train/loss": s.loss,
-                "train/grad_norm": s.grad_norm,
-                "train/lr": self.scheduler.get_last_lr()[0],
-                "train/skipped_steps": self.skipped_steps,
-                "perf/tokens_per_s": tok_s,
-                "perf/data_wait_frac": wait,
+                "train/loss": s.loss, "train/grad_norm": s.grad_norm, "train/lr": lr,
+                "train/skipped_steps": self.skipped_steps, "perf/data_wait_frac": wait,
+                "perf/tokens_per_s": tok_s * world,
+                "perf/tokens_per_s_per_device": self._window.tokens_per_s_per_device(world),
+                "perf/peak_mem_gib": self._peak_memory(),
             })
+            mfu = self._window.mfu(self.raw_model, self.cfg.data.seq_len, world, self._peak)
+            if mfu is not None:
+                scalars["perf/mfu"] = mfu
             log.scalars(self.step, scalars)
+            self._window = Window()
+
+    def _peak_memory(self) -> float:
+        """GiB, the largest over ranks (a collective: called at the same steps on every rank)."""
+        mem = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64, device=self.device)
+        return float(all_reduce(mem, self.env, op="max").item())
 
     def data_wait_fraction(self) -> float:
         return self._wait_total / max(self._time_total, 1e-9)
 
     def summary(self, ckpt: Path) -> dict:
+        perf = self._run_perf if self._run_perf.steps else self._window
+        world = self.env.world_size
+        mfu = perf.mfu(self.raw_model, self.cfg.data.seq_len, world, self._peak)
         return {
             "run_dir": str(self.run_dir), "checkpoint": str(ckpt), "steps": self.step,
             "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
             "data_wait_fraction": self.data_wait_fraction(),
+            "world_size": world, "tokens_per_s_per_device": perf.tokens_per_s_per_device(world),
+            "mfu": mfu, "peak_mem_gib": self._peak_memory(),
             "start": self.evals[0], "end": self.evals[-1],
         }
 
 
-def _pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device: cuda requested but no CUDA device is available")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+def _set_threads(threads: int, env: DistEnv) -> None:
+    """train.threads per process; with several ranks on a node, capped at the node's cores / ranks."""
+    if not threads:
+        return
+    if env.local_world_size > 1:
+        threads = min(threads, max(1, (os.cpu_count() or 1) // env.local_world_size))
+    torch.set_num_threads(threads)
 
 
 def _fill_vocab(cfg: RunConfig, vocab_size: int) -> None:
@@ -280,24 +369,3 @@ def _fill_vocab(cfg: RunConfig, vocab_size: int) -> None:
         raise UserError(
             f"model.decoder.vocab_size: {dec.vocab_size} is smaller than the tokenizer's {vocab_size}"
         )
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

@@ -61,3 +61,9 @@ def make_config(corpus):
 @pytest.fixture
 def make_raw(corpus):
     return lambda run_dir: tiny_raw(corpus, run_dir)
+
+
+@pytest.fixture(scope="session")
+def raw_for(corpus):
+    """make_raw for module- and session-scoped fixtures."""
+    return lambda run_dir: tiny_raw(corpus, run_dir)

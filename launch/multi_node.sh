@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Train on several nodes: run this same command on every node (rendezvous from the environment).
+#
+#   NNODES=4 MASTER_ADDR=node001 launch/multi_node.sh CONFIG [--set KEY=VALUE ...]
+#
+# Environment:
+#   NNODES          number of nodes (required)
+#   MASTER_ADDR     a host every node can reach, which runs the c10d rendezvous (required)
+#   MASTER_PORT     its port (default 29500)
+#   RDZV_ID         a job id shared by all nodes (default: SLURM_JOB_ID, else "mmtrain")
+#   NPROC_PER_NODE  processes per node (default: the GPUs of this node)
+#   MAX_RESTARTS    whole-job restarts after a failure (default 3; each resumes from the newest
+#                   checkpoint, so the run directory must be on a filesystem all nodes share)
+#   PYTHON          default .venv/bin/python if present, else python
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONFIG=${1:?usage: NNODES=N MASTER_ADDR=HOST launch/multi_node.sh CONFIG [--set KEY=VALUE ...]}
+shift
+: "${NNODES:?set NNODES}" "${MASTER_ADDR:?set MASTER_ADDR}"
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
+NPROC_PER_NODE=${NPROC_PER_NODE:-$("$PYTHON" -c 'import torch; print(max(1, torch.cuda.device_count()))')}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec "$PYTHON" -m torch.distributed.run \
+  --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
+  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" \
+  --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-mmtrain}}" \
+  --max-restarts "${MAX_RESTARTS:-3}" \
+  -m mmtrain.train "$CONFIG" "$@"

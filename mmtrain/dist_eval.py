@@ -1,0 +1,67 @@
+"""Evaluation across ranks: each rank evaluates its disjoint share of the val split, the sums are
+all-reduced. Ranks may hold different numbers of val batches; under FSDP every forward is
+collective, so the ranks first agree on the largest count and the shorter ones pad with dummy
+batches (one row of padding: no trained token, no medium) that add nothing to any sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TASK_PAD, PackedBatch
+from mmtrain.distributed import DistEnv, all_reduce
+from mmtrain.evaluate import MEDIA_TASKS, EvalResult, evaluate
+
+
+def dummy_batch(seq_len: int, patch_dim: int) -> PackedBatch:
+    """One row of padding: every label ignored, no media (the vision encoder still runs)."""
+    S = seq_len
+    return PackedBatch(
+        tokens_BS=torch.zeros(1, S, dtype=torch.long),
+        labels_BS=torch.full((1, S), IGNORE_INDEX, dtype=torch.long),
+        doc_ids_BS=torch.zeros(1, S, dtype=torch.int32),
+        span_ids_BS=torch.full((1, S), -1, dtype=torch.int32),
+        modality_BS=torch.zeros(1, S, dtype=torch.int8),
+        task_BS=torch.full((1, S), TASK_PAD, dtype=torch.int8),
+        pos_ids_3BS=torch.arange(S).expand(3, 1, S).contiguous(),
+        media_ids_BS=torch.full((1, S), -1, dtype=torch.int32),
+        patches_NP=torch.zeros(0, patch_dim),
+        grid_thw_M3=torch.zeros(0, 3, dtype=torch.long),
+        media_kind_M=torch.zeros(0, dtype=torch.int8),
+    )
+
+
+def evaluate_ranks(model: nn.Module, batches: list[PackedBatch], device: torch.device, env: DistEnv,
+                   pad: Callable[[], PackedBatch],
+                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                   ) -> EvalResult:
+    """`evaluate` over every rank's batches; in one process exactly `evaluate`."""
+    if not env.distributed:
+        return evaluate(model, batches, device, autocast)
+    most = int(all_reduce(torch.tensor([len(batches)], device=device), env, op="max").item())
+    local = evaluate(model, batches + [pad() for _ in range(most - len(batches))], device, autocast)
+    return reduce_result(local, env, device)
+
+
+def reduce_result(local: EvalResult, env: DistEnv, device: torch.device) -> EvalResult:
+    """Sum per-task (loss, correct, tokens, blank loss) over ranks and re-form the means."""
+    rows = []
+    for task in TASK_NAMES:
+        n = local.tokens.get(task, 0)
+        rows.append([local.loss.get(task, 0.0) * n, local.accuracy.get(task, 0.0) * n, float(n),
+                     local.blank_loss.get(task, 0.0) * n])
+    totals = all_reduce(torch.tensor(rows, dtype=torch.float64, device=device), env).tolist()
+    out = EvalResult()
+    for task, (loss_sum, correct, n, blank_sum) in zip(TASK_NAMES, totals):
+        if n == 0:
+            continue
+        out.tokens[task] = int(n)
+        out.loss[task] = loss_sum / n
+        out.accuracy[task] = correct / n
+        if task in MEDIA_TASKS:
+            out.blank_loss[task] = blank_sum / n
+    return out
