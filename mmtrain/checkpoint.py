@@ -152,10 +152,6 @@ def load_rank_state(path: str | Path, rank: int) -> dict[str, Any] | None:
     return _torch_load(file, "cpu") if file.is_file() else None
 
 
-def saved_world_size(path: str | Path) -> int:
-    return sum(1 for _ in Path(path).glob("rank_*.pt"))
-
-
 def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) model state dict of a DCP checkpoint, read in this process alone."""
     # What DCP's own format_utils.dcp_to_torch_save does: read without a state dict to fill,

@@ -51,7 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return run_guarded(lambda: args.func(args))
+    code = run_guarded(lambda: args.func(args))
+    if args.command == "train":
+        from mmtrain.train import finish
+
+        return finish(code)
+    return code
 
 
 if __name__ == "__main__":

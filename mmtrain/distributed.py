@@ -9,9 +9,10 @@ group at all (the fast path: no wrappers, no collectives).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -116,6 +117,18 @@ def shutdown() -> None:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a torchrun worker at once (after `shutdown()` on success), skipping interpreter teardown.
+
+    At teardown gloo's C++ threads race Python's finalisation and now and then abort or segfault
+    the process ("terminate called without an active exception"), which turns a finished run
+    into a failed one for torchrun (and a restart with --max-restarts).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def all_reduce(t: torch.Tensor, env: DistEnv, op: str = "sum") -> torch.Tensor:

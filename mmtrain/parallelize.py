@@ -40,7 +40,7 @@ def build_model(cfg: RunConfig, env: DistEnv, device: torch.device) -> tuple[Mul
         model = MultimodalModel(cfg.model)
     if not fsdp:
         model = model.to(device)
-    _apply_checkpointing_and_compile(model, cfg)
+    _apply_checkpointing_and_compile(model, cfg, device)
     if fsdp:
         _apply_fsdp(model, cfg, env, device)
         if meta:
@@ -55,13 +55,26 @@ def build_model(cfg: RunConfig, env: DistEnv, device: torch.device) -> tuple[Mul
     return model, model
 
 
-def _apply_checkpointing_and_compile(model: MultimodalModel, cfg: RunConfig) -> None:
+def _apply_checkpointing_and_compile(model: MultimodalModel, cfg: RunConfig, device: torch.device) -> None:
+    if cfg.dist.activation_checkpointing:
+        _prime_probes(device)
     for blocks in block_lists(model):
         for i, block in enumerate(blocks):
             if cfg.dist.activation_checkpointing:
                 _checkpoint_forward(block)
             if cfg.dist.compile:
                 blocks[i] = torch.compile(block)  # state-dict keys gain `_orig_mod.`; DCP strips it
+
+
+def _prime_probes(device: torch.device) -> None:
+    """models/moe_dispatch probes `torch._grouped_mm` (forward + backward, cached) on first use.
+    Inside a checkpointed block that first use saves tensors its recomputation does not, and
+    torch.utils.checkpoint rejects the step; so run the probe up front (RNG left untouched)."""
+    from models.moe_dispatch import grouped_mm_supported
+
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        for dtype in (torch.float32, torch.bfloat16):
+            grouped_mm_supported(device.type, dtype)
 
 
 def _checkpoint_forward(block: nn.Module) -> None:

@@ -47,12 +47,22 @@ def perf_line(summary: dict) -> str:
             f"peak memory {summary['peak_mem_gib']:.2f} GiB")
 
 
+def finish(code: int) -> int:
+    """The exit code of `train`; a torchrun worker (WORLD_SIZE > 1) exits right here instead (see
+    mmtrain.distributed.exit_now: interpreter teardown can crash after gloo was used)."""
+    from mmtrain.distributed import env_from_torchrun, exit_now
+
+    if env_from_torchrun().distributed:
+        exit_now(code)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     from mmtrain.cli import run_guarded
 
     parser = argparse.ArgumentParser(prog="python -m mmtrain.train", description=__doc__)
     add_arguments(parser)
-    return run_guarded(lambda: run(parser.parse_args(argv)))
+    return finish(run_guarded(lambda: run(parser.parse_args(argv))))
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
     """Train `steps` steps on the same global batches (read in one process, split by rows)."""
     from data_pipelines.loader import build_loader
     from mmtrain.config import load_config
-    from mmtrain.distributed import init_distributed, shutdown
+    from mmtrain.distributed import exit_now, init_distributed, shutdown
     from mmtrain.run_config import RunConfig
     from mmtrain.trainer import Trainer
 
@@ -122,18 +122,27 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
     env = init_distributed(cfg.dist, "cpu")
     trainer = Trainer(cfg, verbose=False, env=env)
     it = iter(build_loader(cfg.data, trainer.tokenizer, "train"))
-    global_batches = [next(it) for _ in range(steps)]
-    stats = [trainer.train_step(iter([split_rows(b, env.rank, env.world_size)])) for b in global_batches]
+    accum = cfg.train.grad_accum
+    mine = [split_rows(next(it), env.rank, env.world_size) for _ in range(steps * accum)]
+    stats = [trainer.train_step(iter(mine[i * accum:(i + 1) * accum])) for i in range(steps)]
     if env.is_main:
         Path(out).write_text(json.dumps({"loss": [s.loss for s in stats],
                                          "grad_norm": [s.grad_norm for s in stats],
                                          "tokens": [s.tokens for s in stats]}))
-    shutdown()
+    if env.distributed:
+        shutdown()
+        exit_now(0)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_two_ranks_match_one_process_on_the_same_global_batch(make_raw, tmp_path, strategy):
-    config = write_config(make_raw, tmp_path / "run", ["data.batch_size=4", f"dist.strategy={strategy}"])
+@pytest.mark.parametrize("variant", [
+    ["dist.strategy=fsdp"],
+    ["dist.strategy=ddp", "train.grad_accum=2"],  # no_sync on the first micro-batch
+    ["dist.strategy=fsdp", "train.grad_accum=2", "dist.activation_checkpointing=true",
+     "dist.reshard_after_forward=false"],
+], ids=["fsdp", "ddp-accum", "fsdp-accum-ac-zero2"])
+def test_two_ranks_match_one_process_on_the_same_global_batch(make_raw, tmp_path, variant):
+    """FSDP2 (or DDP) over 2 ranks holding half the rows each = one process holding all of them."""
+    config = write_config(make_raw, tmp_path / "run", ["data.batch_size=4", *variant])
     launch([str(HERE), "parity", str(config), str(tmp_path / "one.json")])
     launch([str(HERE), "parity", str(config), str(tmp_path / "two.json")], nproc=2)
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
