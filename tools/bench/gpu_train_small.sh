@@ -20,7 +20,12 @@ RUN=${RUN:-runs/bench_gpu_small}
 [ -f "$CONFIG" ] || { echo "gpu_train_small.sh: $CONFIG not found" >&2; exit 2; }
 NGPU=${NGPU:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')}
 [ "$NGPU" -ge 1 ] || { echo "gpu_train_small.sh: no CUDA device" >&2; exit 2; }
-[ -f data/shapes/manifest.json ] || "$PYTHON" -m mmtrain.cli data synth --out data/shapes
+# configs/small.yaml reads the built-in corpus at data/shapes, synthesised at 224 px (its header);
+# a corpus already there (e.g. the 64 px one of `make data`) is used as it is: fewer visual tokens.
+[ -f data/shapes/manifest.json ] || \
+  "$PYTHON" -m mmtrain.cli data synth --out data/shapes --image-size 224 --video-size 224
+"$PYTHON" -c 'import json; c = json.load(open("data/shapes/manifest.json"))["config"]
+print("corpus data/shapes: images %s px, video %s px" % (c["image_size"], c["video_size"]))'
 rm -rf "$RUN"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m mmtrain.train "$CONFIG" \
