@@ -12,6 +12,7 @@ A single process gets only checkpointing and compile: no wrapper, no collective.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch import nn
@@ -49,8 +50,11 @@ def build_model(cfg: RunConfig, env: DistEnv, device: torch.device) -> tuple[Mul
         return model, model
     if env.distributed:  # ddp
         ids = [device.index] if device.type == "cuda" else None
-        # broadcast_buffers=False: each rank's MoE load counters are its own until all-reduced
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        # no buffer sync in forward: each rank's MoE load counters are its own until all-reduced
+        # (torch >= 2.13 spells it forward_sync_buffers; broadcast_buffers before)
+        sync = ("forward_sync_buffers" if "forward_sync_buffers" in
+                inspect.signature(nn.parallel.DistributedDataParallel).parameters else "broadcast_buffers")
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, **{sync: False})
         return model, ddp
     return model, model
 
