@@ -62,3 +62,44 @@ def weighted_total(losses: TaskLosses, weights: dict[str, float]) -> torch.Tenso
         if weights.get(name, 0.0) and int(losses.count[name]) > 0:
             total = total + weights[name] * losses.mean(name)
     return total
+
+
+def head_grads(hidden_BSD: torch.Tensor, logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
+               task_BS: torch.Tensor, head_VD: torch.Tensor,
+               counts: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Gradient (V, D) of each task's per-token mean cross-entropy wrt the LM head weight, in closed form.
+
+    For GradNorm, whose shared layer is the head (logits = hidden @ head.T, no bias): on the task's T
+    trained tokens delta_TV = (softmax(logits) - onehot(label)) / N_task and grad_VD = delta^T @ hidden.
+    No autograd and no graph: fp32 under no_grad with autocast off. Costs one extra (T x V) softmax and a
+    (V x T) @ (T x D) matmul per step, about the head's weight-gradient matmul again.
+
+    `counts` overrides N_task (global token counts in distributed runs, so the all-reduced sum of the
+    ranks' grads is the global gradient). Tasks with no tokens (in `counts` when given, else here) are
+    left out; with `counts`, a task with none of its tokens on this rank gets zeros, so every rank
+    returns the same keys to all-reduce.
+    """
+    if tuple(head_VD.shape) != (logits_BSV.shape[-1], hidden_BSD.shape[-1]):
+        raise ValueError(f"head_VD: expected shape (V, D) = {(logits_BSV.shape[-1], hidden_BSD.shape[-1])} "
+                         f"(got {tuple(head_VD.shape)})")
+    trained_BS = labels_BS != IGNORE_INDEX
+    grads = {}
+    with torch.no_grad(), torch.autocast(hidden_BSD.device.type, enabled=False):
+        for task_id, name in enumerate(TASK_NAMES):
+            sel_BS = trained_BS & (task_BS == task_id)
+            n = float(counts[name]) if counts is not None else float(sel_BS.sum())
+            if n <= 0:
+                continue
+            labels_T = labels_BS[sel_BS]
+            delta_TV = logits_BSV[sel_BS].float().softmax(-1)
+            delta_TV[torch.arange(len(labels_T), device=delta_TV.device), labels_T] -= 1.0
+            grads[name] = delta_TV.div_(n).T @ hidden_BSD[sel_BS].float()  # zeros when T = 0
+    return grads
+
+
+def head_grad_norms(hidden_BSD: torch.Tensor, logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
+                    task_BS: torch.Tensor, head_VD: torch.Tensor,
+                    counts: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """||d mean_task CE / d head_VD||_F per task present (see head_grads for the method and cost)."""
+    grads = head_grads(hidden_BSD, logits_BSV, labels_BS, task_BS, head_VD, counts)
+    return {name: torch.linalg.matrix_norm(grad_VD) for name, grad_VD in grads.items()}
