@@ -42,6 +42,8 @@ from .config import AttentionConfig
 from .meta import AttnMeta, build_meta, token_mask
 from .recompute import recompute_probs
 from .select import select_blocks
+from .stats import RowStats, doc_first_BS, even_subset, reduce_rows, row_stats, text_rows
 
-__all__ = ["AttentionConfig", "AttnMeta", "attend", "build_meta", "recompute_probs", "resolve_backend",
-           "select_blocks", "token_mask"]
+__all__ = ["AttentionConfig", "AttnMeta", "RowStats", "attend", "build_meta", "doc_first_BS", "even_subset",
+           "recompute_probs", "reduce_rows", "resolve_backend", "row_stats", "select_blocks", "text_rows",
+           "token_mask"]

@@ -4,7 +4,8 @@ A forward with `capture_layers` records q and k (after RoPE) and a sparse layer'
 `models.attention.recompute_probs` rebuilds softmax(q.k^T / sqrt(d) + mask) for chosen query rows
 with exactly the layer's mask. Rows are processed in chunks and reduced at once (probability mass on
 visual tokens, entropy, sink mass, and the probabilities over the document's visual tokens), so no
-S x S map is ever held.
+S x S map is ever held. The row selection and reductions (doc_first_BS, text_rows, row_stats) live
+in models/attention/stats.py, shared with the trainer's collapse diagnostics (mmtrain/diagnostics.py).
 
 Definitions (per layer, per head, per query row):
   mass    = sum of the row's probabilities on visual tokens (they are all in the query's document);
@@ -26,7 +27,9 @@ import numpy as np
 import torch
 
 from data_pipelines.batch import TEXT
-from models.attention import AttentionConfig, AttnMeta, build_meta, recompute_probs
+from models.attention import AttentionConfig, AttnMeta, build_meta
+from models.attention.stats import doc_first_BS as doc_first_BS  # re-exported: shared with the trainer
+from models.attention.stats import row_stats, text_rows
 from models.multimodal import MultimodalModel
 
 from .inputs import DocInputs, MediumInfo
@@ -74,53 +77,29 @@ def run_capture(model: MultimodalModel, inputs: dict[str, Tensor], layers: Seque
     return out.captures, build_meta(inputs["doc_ids_BS"], inputs["span_ids_BS"], block)
 
 
-def doc_first_BS(doc_ids_BS: Tensor) -> Tensor:
-    """Per token: the position of its document's first token (documents are contiguous runs)."""
-    B, S = doc_ids_BS.shape
-    start_BS = torch.ones(B, S, dtype=torch.bool, device=doc_ids_BS.device)
-    start_BS[:, 1:] = doc_ids_BS[:, 1:] != doc_ids_BS[:, :-1]
-    pos_BS = torch.arange(S, device=doc_ids_BS.device).expand(B, S)
-    return torch.where(start_BS, pos_BS, 0).cummax(dim=1).values
-
-
-def text_rows(modality_BS: Tensor, doc_ids_BS: Tensor, text_BS: Tensor) -> Tensor:
-    """(R, 2) (batch, position) of text tokens (text_BS) after a visual token of their document."""
-    vis_BS = (modality_BS != TEXT).int()
-    first_BS = doc_first_BS(doc_ids_BS)
-    seen_BS = vis_BS.cumsum(1)  # visual tokens up to here in the row
-    before_doc_BS = torch.where(first_BS > 0, seen_BS.gather(1, (first_BS - 1).clamp(min=0)), 0)
-    return ((seen_BS - before_doc_BS > 0) & text_BS).nonzero()
-
-
 @torch.no_grad()
 def layer_rows(capture: dict, meta: AttnMeta, cfg: AttentionConfig, sparse: bool, layer: int,
                rows_R2: Tensor, modality_BS: Tensor, doc_ids_BS: Tensor, keep_R: Tensor | None = None,
                chunk: int = 32) -> LayerRows:
-    """Recompute the rows (R, 2) in chunks of `chunk` and reduce them. keep_R (bool): rows whose
-    probabilities on the visual tokens of batch row 0 are kept too (single-document inputs)."""
-    vis_BS = modality_BS != TEXT
-    first_BS = doc_first_BS(doc_ids_BS)
-    vis_pos_V = vis_BS[0].nonzero().squeeze(1)
+    """Recompute the rows (R, 2) in chunks of `chunk` and reduce them (models.attention.row_stats).
+    keep_R (bool): rows whose probabilities on the visual tokens of batch row 0 are kept too
+    (single-document inputs)."""
+    vis_pos_V = (modality_BS[0] != TEXT).nonzero().squeeze(1).cpu()
     H = capture["q"].shape[1]
-    R = rows_R2.shape[0]
-    mass_HR, ent_HR, sink_HR = (torch.zeros(H, R) for _ in range(3))
     keep_R = None if keep_R is None else keep_R.cpu()
     visual_HKV = None if keep_R is None else torch.zeros(H, int(keep_R.sum()), len(vis_pos_V))
     kept = 0
-    for r0 in range(0, R, chunk):
-        rows_r2 = rows_R2[r0:r0 + chunk]
-        p_HrS = recompute_probs(capture, meta, cfg, sparse, rows_r2, chunk=chunk).cpu()
-        b_r, i_r = rows_r2[:, 0].cpu(), rows_r2[:, 1].cpu()
-        mass_HR[:, r0:r0 + chunk] = (p_HrS * vis_BS[b_r].cpu()[None].float()).sum(-1)
-        ent_HR[:, r0:r0 + chunk] = torch.special.entr(p_HrS).sum(-1)
-        first_Hr1 = first_BS[b_r, i_r].cpu()[None, :, None].expand(H, -1, 1)
-        sink_HR[:, r0:r0 + chunk] = p_HrS.gather(-1, first_Hr1)[..., 0]
-        if visual_HKV is not None:
-            k_r = keep_R[r0:r0 + chunk]
-            visual_HKV[:, kept:kept + int(k_r.sum())] = p_HrS[:, k_r][..., vis_pos_V.cpu()]
-            kept += int(k_r.sum())
+
+    def keep_maps(r0: int, p_HrS: Tensor) -> None:
+        nonlocal kept
+        k_r = keep_R[r0:r0 + p_HrS.shape[1]]
+        visual_HKV[:, kept:kept + int(k_r.sum())] = p_HrS.cpu()[:, k_r][..., vis_pos_V]
+        kept += int(k_r.sum())
+
+    s = row_stats(capture, meta, cfg, sparse, rows_R2, modality_BS, doc_ids_BS, chunk,
+                  on_chunk=None if visual_HKV is None else keep_maps)
     sel = capture.get("kv_blocks")
-    return LayerRows(layer, sparse, mass_HR, ent_HR, sink_HR, visual_HKV,
+    return LayerRows(layer, sparse, s.mass_HR.cpu(), s.entropy_HR.cpu(), s.sink_HR.cpu(), visual_HKV,
                      sel[0].cpu() if sparse and sel is not None else None, meta.reach_BQN[0].cpu())
 
 
@@ -199,9 +178,9 @@ def batch_attention_stats(model: MultimodalModel, inputs: dict[str, Tensor], tex
     rows_R2 = text_rows(inputs["modality_BS"], inputs["doc_ids_BS"], text_BS)
     out = {}
     for layer in layers:
-        r = layer_rows(captures[layer], meta, dec.attention, dec.is_sparse(layer), layer, rows_R2,
-                       inputs["modality_BS"], inputs["doc_ids_BS"], chunk=chunk)
+        r = row_stats(captures[layer], meta, dec.attention, dec.is_sparse(layer), rows_R2,
+                      inputs["modality_BS"], inputs["doc_ids_BS"], chunk)
         n = max(rows_R2.shape[0], 1)
-        out[layer] = {"mass": r.mass_HR.sum(1) / n, "entropy": r.entropy_HR.sum(1) / n,
-                      "sink": r.sink_HR.sum(1) / n, "rows": torch.tensor(rows_R2.shape[0])}
+        out[layer] = {"mass": r.mass_HR.sum(1).cpu() / n, "entropy": r.entropy_HR.sum(1).cpu() / n,
+                      "sink": r.sink_HR.sum(1).cpu() / n, "rows": torch.tensor(rows_R2.shape[0])}
     return out
