@@ -7,6 +7,8 @@ per layer (QK^T and AV, forward + backward = 3 x forward), where keys is what th
 reads: ~S/2 for a full causal layer, (own + window + sink + top_k) blocks for a sparse one.
 Visual tokens add the vision tower's cost for their merge^2 patches, scaled by the visual
 fraction. Documents shorter than S make full layers cheaper than counted (an upper bound).
+The optional visual self-supervised pass (vision `ssl_head`: a second tower pass over the
+masked media) is not counted; its mask token and head count as vision parameters.
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ def _matmul_params(module: nn.Module, skip: tuple[nn.Parameter, ...] = ()) -> in
     return sum(p.numel() for p in module.parameters() if p.dim() >= 2 and id(p) not in skip_ids)
 
 
-def _vision_tables(vision: nn.Module) -> tuple[nn.Parameter, ...]:
-    """Position-embedding lookups: 2-D parameters that are indexed, not multiplied."""
-    return tuple(p for p in (vision.row_embed, vision.col_embed) if p is not None)
+def _vision_not_per_patch(vision: nn.Module) -> tuple[nn.Parameter, ...]:
+    """2-D vision parameters off the per-patch matmul path of the main pass: the position-embedding
+    lookups (indexed, not multiplied) and the SSL head (only in the uncounted masked pass)."""
+    ssl = (vision.ssl_head.weight,) if vision.ssl_head is not None else ()
+    return tuple(p for p in (vision.row_embed, vision.col_embed) if p is not None) + ssl
 
 
 def attention_keys(model: nn.Module, layer: int, seq_len: int) -> float:
@@ -78,7 +82,7 @@ def flops_per_token(model: nn.Module, seq_len: int, visual_fraction: float = 0.0
     attn = sum(12 * dec.n_heads * dec.head_dim * attention_keys(model, i, seq_len)
                for i in range(dec.n_layers))
     projector = _matmul_params(model.vision.projector)  # runs once per merged token
-    tower = _matmul_params(model.vision, _vision_tables(model.vision)) - projector
+    tower = _matmul_params(model.vision, _vision_not_per_patch(model.vision)) - projector
     per_patch = 6 * tower + 12 * vis.dim * patches_per_medium * vis.depth
     per_visual_token = vis.merge ** 2 * per_patch + 6 * projector
     return dense + attn + visual_fraction * per_visual_token

@@ -39,6 +39,7 @@ class ModelOutput:
     router_entropy: dict[int, Tensor] | None  # MoE layer -> (3,) mean routing entropy per modality
     captures: dict[int, dict]  # layer -> what `attend` recorded (q, k after RoPE, block selection)
     visual_embeds_ND: Tensor  # merged visual tokens before the scatter (patches / merge^2, D)
+    visual_ssl: Tensor | None = None  # masked-patch reconstruction loss when forward got ssl_mask_N
 
 
 class MultimodalModel(nn.Module):
@@ -50,13 +51,20 @@ class MultimodalModel(nn.Module):
 
     def forward(self, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, span_ids_BS: Tensor,
                 modality_BS: Tensor, patches_NP: Tensor, grid_thw_M3: Tensor,
-                capture_layers: Collection[int] | None = None, compute_logits: bool = True) -> ModelOutput:
+                capture_layers: Collection[int] | None = None, compute_logits: bool = True,
+                ssl_mask_N: Tensor | None = None) -> ModelOutput:
+        """`ssl_mask_N` (bool, one per patch; see `vision.make_ssl_mask`) adds the vision encoder's
+        masked-patch loss, computed here so that FSDP/DDP forward hooks cover its second pass.
+        The decoder always sees the real, unmasked patches.
+        """
         visual_ND = self.vision(patches_NP, grid_thw_M3)  # N: patches in, merged tokens out
+        visual_ssl = (None if ssl_mask_N is None
+                      else self.vision.masked_patch_loss(patches_NP, grid_thw_M3, ssl_mask_N))
         out = self.decoder(tokens_BS, pos_ids_3BS, doc_ids_BS, span_ids_BS, modality_BS, visual_ND,
                            capture_layers)
         logits_BSV = self.decoder.logits(out.hidden_BSD) if compute_logits else None
         return ModelOutput(logits_BSV, out.hidden_BSD, out.aux_losses, out.expert_load, out.router_entropy,
-                           out.captures, visual_ND)
+                           out.captures, visual_ND, visual_ssl)
 
     def logits(self, hidden_BSD: Tensor) -> Tensor:
         """The LM head alone (for chunked cross-entropy over `hidden_BSD`)."""

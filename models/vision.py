@@ -9,12 +9,17 @@ blocks, each merge x merge patch neighbourhood becomes one token and an MLP proj
 decoder width; tokens come out per medium in raster (t, h / merge, w / merge) order, matching
 the placeholder order of the packed batch.
 
+Optional self-supervised term (SimMIM-style, `ssl_head`): a second pass over the media that
+have masked patches, with those patches' embeddings replaced by a learned mask token, and a
+linear head predicting their (already normalised) pixels from the final normed features.
+
 Legend: N patches (all media), P patch dim (C * tp * p * p), M media, D vision dim,
-O output (decoder) dim, Q = N / merge^2 merged tokens, F rotary pairs, H heads.
+O output (decoder) dim, Q = N / merge^2 merged tokens, F rotary pairs, H heads, K masked patches.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +53,8 @@ class VisionConfig:
     # translation-equivariant, so "top left" would have to be inferred from the decoder's
     # M-RoPE offsets; this makes it a feature of the visual token. 0 disables.
     abs_pos_grid: int = 0
+    # Masked-patch reconstruction: a learned mask token and a linear pixel head (`masked_patch_loss`).
+    ssl_head: bool = False
 
     def __post_init__(self) -> None:
         if self.abs_pos_grid < 0:
@@ -96,6 +103,26 @@ def patch_layout(grid_thw_M3: Tensor, n_patches: int, merge: int) -> tuple[Tenso
     return medium_N, pos_3N, src_N
 
 
+def make_ssl_mask(grid_thw_M3: Tensor, mask_ratio: float, media_share: float,
+                  generator: torch.Generator | None = None) -> Tensor:
+    """-> mask_N (bool): round(media_share * M) random media (>= 1 when share > 0), and in each
+    round(mask_ratio * n) of its n patches (>= 1), at random; deterministic given `generator`.
+    """
+    if not 0 < mask_ratio < 1:
+        raise ValueError(f"mask_ratio: must be in (0, 1) (got {mask_ratio})")
+    if not 0 <= media_share <= 1:
+        raise ValueError(f"media_share: must be in [0, 1] (got {media_share})")
+    sizes = grid_thw_M3.long().prod(-1).tolist()
+    M, dev = len(sizes), generator.device if generator is not None else torch.device("cpu")
+    n_media = max(round(media_share * M), 1) if media_share > 0 and M > 0 else 0
+    starts = [0, *itertools.accumulate(sizes)]
+    mask_N = torch.zeros(sum(sizes), dtype=torch.bool, device=dev)
+    for m in sorted(torch.randperm(M, generator=generator, device=dev)[:n_media].tolist()):
+        k = max(round(mask_ratio * sizes[m]), 1)
+        mask_N[starts[m] + torch.randperm(sizes[m], generator=generator, device=dev)[:k]] = True
+    return mask_N.to(grid_thw_M3.device)
+
+
 class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -123,6 +150,9 @@ class VisionEncoder(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         merged = cfg.dim * cfg.merge ** 2
         self.projector = GeluMLP(merged, merged, out_dim)  # Qwen2-VL-style merger
+        # None when off: no parameters, so state_dicts (and checkpoints) stay as they were
+        self.mask_token = nn.Parameter(torch.empty(cfg.dim)) if cfg.ssl_head else None
+        self.ssl_head = nn.Linear(cfg.dim, cfg.patch_dim) if cfg.ssl_head else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -141,6 +171,10 @@ class VisionEncoder(nn.Module):
         self.norm.reset_parameters()
         nn.init.normal_(self.projector.w_in.weight, std=std)
         nn.init.normal_(self.projector.w_out.weight, std=std)
+        if self.ssl_head is not None:
+            nn.init.normal_(self.mask_token, std=std)
+            nn.init.normal_(self.ssl_head.weight, std=std)
+            nn.init.zeros_(self.ssl_head.bias)
 
     def forward(self, patches_NP: Tensor, grid_thw_M3: Tensor) -> Tensor:
         """-> (N / merge^2, out_dim) merged visual tokens, media in input order."""
@@ -150,6 +184,52 @@ class VisionEncoder(nn.Module):
         if grid_thw_M3.shape[0] == 0:
             return self._no_media(patches_NP)
         return self._encode(patches_NP, grid_thw_M3)
+
+    def masked_patch_loss(self, patches_NP: Tensor, grid_thw_M3: Tensor, mask_N: Tensor) -> Tensor:
+        """Mean squared error of the predicted pixels of the masked patches (fp32 scalar).
+
+        Nothing masked (or no media): 0, still from a pass over a blank frame, so every rank runs
+        the same blocks (FSDP2) and the mask token and head get (zero) gradients (DDP).
+        """
+        self._check_ssl(patches_NP, mask_N)
+        if grid_thw_M3.shape[0] == 0 or not bool(mask_N.any()):
+            m = self.cfg.merge
+            blank_NP = patches_NP.new_zeros(m * m, self.cfg.patch_dim)
+            grid_13 = torch.tensor([[1, m, m]], device=patches_NP.device)
+            one_N = torch.arange(m * m, device=patches_NP.device) == 0
+            return 0.0 * self._masked_predictions(blank_NP, grid_13, one_N).float().square().mean()
+        pred_KP = self._masked_predictions(patches_NP, grid_thw_M3, mask_N)
+        return (pred_KP.float() - patches_NP[mask_N].float()).square().mean()
+
+    def masked_patch_predictions(self, patches_NP: Tensor, grid_thw_M3: Tensor, mask_N: Tensor) -> Tensor:
+        """(K, P) predicted pixels of the K masked patches, in patch order."""
+        self._check_ssl(patches_NP, mask_N)
+        if grid_thw_M3.shape[0] == 0 or not bool(mask_N.any()):
+            return patches_NP.new_zeros(0, self.cfg.patch_dim)
+        return self._masked_predictions(patches_NP, grid_thw_M3, mask_N)
+
+    def _check_ssl(self, patches_NP: Tensor, mask_N: Tensor) -> None:
+        if self.ssl_head is None:
+            raise ValueError("ssl_head: masked_patch_loss needs VisionConfig(ssl_head=True)")
+        if patches_NP.shape[-1] != self.cfg.patch_dim:
+            raise ValueError(f"patches: need {self.cfg.patch_dim} values per patch "
+                             f"(got {patches_NP.shape[-1]})")
+        if mask_N.dtype != torch.bool or mask_N.shape != patches_NP.shape[:1]:
+            raise ValueError(f"ssl_mask: need a bool (N,) mask over the {patches_NP.shape[0]} patches "
+                             f"(got {mask_N.dtype} {tuple(mask_N.shape)})")
+
+    def _masked_predictions(self, patches_NP: Tensor, grid_thw_M3: Tensor, mask_N: Tensor) -> Tensor:
+        """Second pass over only the media with a masked patch (the rest would be wasted work)."""
+        size_M = grid_thw_M3.long().prod(-1)
+        medium_N = torch.repeat_interleave(torch.arange(len(size_M), device=mask_N.device), size_M)
+        if medium_N.shape[0] != mask_N.shape[0]:
+            raise ValueError(f"grid_thw: patch counts sum to {medium_N.shape[0]}, "
+                             f"patches_NP has {mask_N.shape[0]} rows")
+        hit_M = torch.zeros_like(size_M, dtype=torch.bool).index_fill_(0, medium_N[mask_N], True)
+        keep_N = hit_M[medium_N]
+        sub_mask_N = mask_N[keep_N]
+        x_ND, _ = self._features(patches_NP[keep_N], grid_thw_M3[hit_M], sub_mask_N)
+        return self.ssl_head(x_ND[sub_mask_N])
 
     def _abs_pos(self, grid_thw_M3: Tensor, medium_N: Tensor, pos_3N: Tensor) -> Tensor:
         """(N, D) row + column embedding of each patch's relative place in its frame."""
@@ -173,16 +253,24 @@ class VisionEncoder(nn.Module):
 
     def _encode(self, patches_NP: Tensor, grid_thw_M3: Tensor) -> Tensor:
         cfg, N = self.cfg, patches_NP.shape[0]
+        x_ND, src_N = self._features(patches_NP, grid_thw_M3)
+        x_QD4 = x_ND[src_N].reshape(N // cfg.merge ** 2, cfg.merge ** 2 * cfg.dim)
+        return self.projector(x_QD4)
+
+    def _features(self, patches_NP: Tensor, grid_thw_M3: Tensor,
+                  mask_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """-> (N, D) final normed per-patch features (masked patches enter as the mask token), src_N."""
+        cfg, N = self.cfg, patches_NP.shape[0]
         medium_N, pos_3N, src_N = patch_layout(grid_thw_M3, N, cfg.merge)
         head_dim = cfg.dim // cfg.n_heads
         angles_NF = axial_angles(pos_3N, vision_freqs(head_dim, cfg.rope_theta, patches_NP.device))
         cos_11NF, sin_11NF = angles_NF.cos()[None, None], angles_NF.sin()[None, None]
         meta = build_meta(medium_N[None], medium_N[None], self.attn_cfg.block_size)
         x_1ND = self.patch_embed(patches_NP)[None]
+        if mask_N is not None:  # positions are added as usual: the model knows where the hole is
+            x_1ND = torch.where(mask_N[None, :, None], self.mask_token.to(x_1ND.dtype), x_1ND)
         if self.row_embed is not None:
             x_1ND = x_1ND + self._abs_pos(grid_thw_M3, medium_N, pos_3N)[None]
         for blk in self.blocks:
             x_1ND = blk(x_1ND, cos_11NF, sin_11NF, meta, self.attn_cfg)
-        x_ND = self.norm(x_1ND[0])
-        x_QD4 = x_ND[src_N].reshape(N // cfg.merge ** 2, cfg.merge ** 2 * cfg.dim)
-        return self.projector(x_QD4)
+        return self.norm(x_1ND[0]), src_N
