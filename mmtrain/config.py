@@ -40,7 +40,8 @@ def load_config(cls: type[T], path: str | Path, overrides: list[str] | None = No
 
 
 def apply_override(raw: dict, item: str, source: str = "--set") -> None:
-    """`optim.lr=3e-4` -> raw["optim"]["lr"] = 3e-4 (value parsed as YAML)."""
+    """`optim.lr=3e-4` -> raw["optim"]["lr"] = 3e-4 (value parsed as YAML); a number indexes a list:
+    `data.train.0.weight=0.5`."""
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. optim.lr=3e-4")
@@ -50,12 +51,19 @@ def apply_override(raw: dict, item: str, source: str = "--set") -> None:
         parsed = value
     node = raw
     parts = key.strip().split(".")
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{source}: --set {key}: {'.'.join(parts[: i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = parsed
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):  # `data.train.0.weight`: an index into a list
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"{source}: --set {key}: {'.'.join(parts[:i])} has no item {part!r} "
+                                  f"(a list of {len(node)})")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise ConfigError(f"{source}: --set {key}: {'.'.join(parts[:i])} is not a section")
+        if last:
+            node[part] = parsed
+        else:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else node[part]
 
 
 def from_dict(cls: type[T], raw: Any, source: str = "<config>", prefix: str = "") -> T:

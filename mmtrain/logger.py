@@ -52,6 +52,11 @@ class RunLogger:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, step)
 
+    def image(self, step: int, tag: str, image_HW3) -> None:
+        """A uint8 (H, W, 3) picture to TensorBoard (e.g. expert load by modality)."""
+        if self._tb is not None:
+            self._tb.add_image(tag, image_HW3, step, dataformats="HWC")
+
     def record(self, values: dict) -> None:
         """One JSON line per step (rank 0). After a resume the replayed steps appear again:
         the later line of a step wins."""

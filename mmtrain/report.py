@@ -10,8 +10,11 @@ from data_pipelines.batch import TASK_NAMES
 
 def summary_table(summary: dict) -> Table:
     start, end = summary["start"], summary["end"]
-    table = Table(title=f"{summary['run_dir']}: step {start['step']} -> {end['step']} (val split)")
-    for col in ("modality", "loss start", "loss end", "acc end", "reliance gap start", "reliance gap end"):
+    weights = summary.get("weights") or {}
+    table = Table(title=f"{summary['run_dir']}: step {start['step']} -> {end['step']} (val split); "
+                        f"balancer {summary.get('balancer', 'static')}")
+    for col in ("modality", "loss start", "loss end", "acc end", "reliance gap start", "reliance gap end",
+                "weight end"):
         table.add_column(col, justify="left" if col == "modality" else "right")
     for task in TASK_NAMES:
         if task not in end["loss"]:
@@ -24,6 +27,7 @@ def summary_table(summary: dict) -> Table:
             f"{end['accuracy'][task]:.1%}",
             "-" if gap_s is None else f"{gap_s:+.3f}",
             "-" if gap_e is None else f"{gap_e:+.3f}",
+            f"{weights[task]:.2f}" if task in weights else "-",
         )
     return table
 
@@ -37,3 +41,7 @@ def print_summary(summary: dict, seconds: float | None = None) -> None:
         f"data wait {summary['data_wait_fraction']:.1%} of step time; "
         f"skipped steps {summary['skipped_steps']}; checkpoint {summary['checkpoint']}"
     )
+    diag = summary.get("diagnostics")
+    if diag:
+        alarms = diag.get("alarms") or []
+        console.print(f"diagnostics @ {diag['step']}: " + ("; ".join(alarms) if alarms else "no alarms"))

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from data_pipelines.config import DataConfig
+from mmtrain.balance import BalanceConfig
+from mmtrain.diagnostics import DiagConfig
 from models.multimodal import ModelConfig
 
 
@@ -35,14 +37,34 @@ class OptimConfig:
 
 
 @dataclass
+class VisualSSLConfig:
+    """Masked-patch reconstruction in the vision encoder (needs model.vision.ssl_head: true): a second
+    encoder pass over `media_share` of each batch's media with `mask_ratio` of their patches hidden."""
+
+    weight: float = 0.0  # 0: off
+    mask_ratio: float = 0.5
+    media_share: float = 0.25
+
+    def __post_init__(self):
+        if self.weight < 0:
+            raise ValueError(f"weight: must be >= 0 (got {self.weight})")
+        if not 0 < self.mask_ratio < 1:
+            raise ValueError(f"mask_ratio: must be in (0, 1) (got {self.mask_ratio})")
+        if not 0 < self.media_share <= 1:
+            raise ValueError(f"media_share: must be in (0, 1] (got {self.media_share})")
+
+
+@dataclass
 class LossConfig:
-    """Per-modality loss weights (the static balancer) and the stability terms."""
+    """Per-modality loss weights (the base weights every balancer starts from or multiplies), the
+    balancer that adapts them, and the extra terms."""
 
     text: float = 1.0
     image_text: float = 1.0
     video_text: float = 1.0
     z_loss: float = 1e-4  # weight of mean(logsumexp(logits)^2) over trained tokens
-    balancer: Literal["static"] = "static"
+    balancer: BalanceConfig = field(default_factory=BalanceConfig)
+    visual_ssl: VisualSSLConfig = field(default_factory=VisualSSLConfig)
 
     def __post_init__(self):
         for name in ("text", "image_text", "video_text", "z_loss"):
@@ -67,6 +89,21 @@ class FaultConfig:
 
 
 @dataclass
+class StageConfig:
+    """A curriculum stage: until optimizer step `until_step` only these data.train sources are mixed
+    (with their configured weights). After the last stage every data.train source is."""
+
+    until_step: int = 0
+    sources: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.until_step < 1:
+            raise ValueError(f"until_step: must be >= 1 (got {self.until_step})")
+        if not self.sources:
+            raise ValueError("sources: must name at least one data.train source")
+
+
+@dataclass
 class TrainConfig:
     steps: int = 1000  # optimizer steps
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -83,8 +120,12 @@ class TrainConfig:
     time_limit_min: float = 0.0  # stop cleanly (final eval + checkpoint) after this long; 0: no limit
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: from the GPU name (H100/H200), else no MFU
     faults: FaultConfig = field(default_factory=FaultConfig)
+    stages: list[StageConfig] = field(default_factory=list)  # e.g. text first, media added later
 
     def __post_init__(self):
+        ends = [s.until_step for s in self.stages]
+        if ends != sorted(set(ends)):
+            raise ValueError(f"stages: until_step must increase (got {ends})")
         for name in ("steps", "grad_accum", "log_every", "keep_last", "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
@@ -121,8 +162,16 @@ class RunConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    diagnostics: DiagConfig = field(default_factory=DiagConfig)
 
     def __post_init__(self):
+        self._check_objectives()
+        known = {s.name for s in self.data.train}
+        for i, stage in enumerate(self.train.stages):
+            for name in stage.sources:
+                if name not in known:
+                    raise ValueError(f"train.stages.{i}.sources: {name!r} is not a data.train source "
+                                     f"(known: {', '.join(sorted(known))})")
         media, vision = self.data.media, self.model.vision
         for name in ("patch_size", "temporal_patch", "merge"):
             if getattr(media, name) != getattr(vision, name):
@@ -130,3 +179,10 @@ class RunConfig:
                     f"model.vision.{name}: must equal data.media.{name} "
                     f"({getattr(vision, name)} != {getattr(media, name)})"
                 )
+
+    def _check_objectives(self) -> None:
+        if self.loss.visual_ssl.weight > 0 and not self.model.vision.ssl_head:
+            raise ValueError("loss.visual_ssl.weight: > 0 needs model.vision.ssl_head: true")
+        if self.loss.balancer.kind == "reliance_guard" and not self.diagnostics.every:
+            raise ValueError("loss.balancer.kind: reliance_guard reads the reliance gap of the "
+                             "diagnostics: set diagnostics.every > 0")

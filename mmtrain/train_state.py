@@ -44,6 +44,7 @@ def shared_state(trainer) -> dict:
         "skipped_steps": trainer.skipped_steps,
         "consecutive_skips": trainer.consecutive_skips,
         "evals": trainer.evals,
+        "diagnostics": trainer.diagnostics,
         "world_size": trainer.env.world_size,
         "config": to_dict(trainer.cfg),
     }
@@ -66,6 +67,8 @@ def load_training_state(trainer, path: Path) -> str | None:
     trainer.skipped_steps = shared["skipped_steps"]
     trainer.consecutive_skips = shared["consecutive_skips"]
     trainer.evals = list(shared["evals"])
+    trainer.diagnostics = list(shared.get("diagnostics", []))
+    trainer.enter_stage(trainer.stage_at(trainer.step))  # the data state below is that stage's loader's
     env, saved_world = trainer.env, shared["world_size"]
     if saved_world == env.world_size:
         own = load_rank_state(path, env.rank)

@@ -19,40 +19,46 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import yaml
 
 from data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TEXT, PackedBatch
+from data_pipelines.config import DataConfig
 from data_pipelines.loader import build_loader
 from data_pipelines.tokenizer import load_tokenizer
 from mmtrain import train_state
 from mmtrain.balance import build_balancer
 from mmtrain.checkpoint import TOKENIZER_FILE, Checkpointer
 from mmtrain.config import to_dict
+from mmtrain.diagnostics import run_diagnostics
 from mmtrain.dist_eval import dummy_batch, evaluate_ranks
 from mmtrain.distributed import DistEnv, all_reduce, current_env, pick_device, restart_count
 from mmtrain.errors import UserError
 from mmtrain.evaluate import EvalResult
 from mmtrain.logger import RunLogger
-from mmtrain.objectives import task_losses, weighted_total, z_loss
+from mmtrain.objectives import head_grads, task_losses, weighted_total, z_loss
 from mmtrain.optim import build_optimizer, build_scheduler
 from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync
 from mmtrain.perf import Window, peak_memory_gib, peak_tflops
 from mmtrain.run_config import RunConfig
 from mmtrain.run_dir import RESOLVED_CONFIG, prepare_run_dir
+from models.vision import make_ssl_mask
 
 PERF_WARMUP_STEPS = 3  # steps of each launch left out of the run's throughput (allocation, compile)
 _STATS = ("loss", *(f"sum_{t}" for t in TASK_NAMES), *(f"n_{t}" for t in TASK_NAMES),
-          "tokens", "visual", "media", "patches", "wait_s", "nonfinite", "time_up")
+          *(f"hit_{t}" for t in TASK_NAMES), "ssl", "tokens", "visual", "media", "patches", "wait_s",
+          "nonfinite", "time_up")
+DIAG_FILE = "diagnostics.jsonl"  # one JSON line per diagnostics run (rank 0)
 
 
 @dataclass
 class StepStats:
     loss: float
     task_loss: dict[str, float]
+    task_acc: dict[str, float]
     grad_norm: float
     tokens: int  # all ranks
     data_wait_s: float  # mean over ranks
@@ -62,6 +68,7 @@ class StepStats:
     media: int = 0
     patches: int = 0
     time_up: bool = False
+    visual_ssl: float | None = None  # mean masked-patch loss of the step (when enabled)
 
 
 class Trainer:
@@ -80,9 +87,10 @@ class Trainer:
         self.raw_model, self.model = build_model(cfg, self.env, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
-        self.balancer = build_balancer(cfg.loss)
+        self.balancer = build_balancer(cfg.loss.balancer, {t: getattr(cfg.loss, t) for t in TASK_NAMES})
         rank, world = self.env.rank, self.env.world_size
-        self.train_loader = build_loader(cfg.data, self.tokenizer, "train", rank, world)
+        self.stage = self.stage_at(0)
+        self.train_loader = build_loader(self.stage_data(self.stage), self.tokenizer, "train", rank, world)
         self.val_loader = build_loader(cfg.data, self.tokenizer, "val", rank, world)
         self.checkpointer = Checkpointer(self.run_dir, cfg.train.keep_last, self.env)
         self.step = 0
@@ -90,6 +98,8 @@ class Trainer:
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.evals: list[dict] = []  # {"step": N, ...EvalResult.to_dict()}
+        self.diagnostics: list[dict] = []  # {"step": N, "alarms": [...], ...DiagResult.to_dict()}
+        self._head_g: dict[str, torch.Tensor] = {}  # GradNorm: LM-head gradient per task, this step
         self._val_cache: list[PackedBatch] | None = None
         self.verbose = verbose
         self._wait_total = 0.0  # data-wait and step seconds since this process started
@@ -116,6 +126,31 @@ class Trainer:
             raise UserError(f"{latest}: cannot load checkpoint: {str(e).splitlines()[0]}") from None
         return latest
 
+    # ----- curriculum stages -----------------------------------------------------------------
+    def stage_at(self, step: int) -> int:
+        """Index of the train.stages entry that step `step + 1` belongs to (len(stages): all sources)."""
+        ends = [s.until_step for s in self.cfg.train.stages]
+        return next((i for i, end in enumerate(ends) if step < end), len(ends))
+
+    def stage_data(self, stage: int) -> DataConfig:
+        """The data config of a stage: its sources only, and a seed of its own (no replayed stream)."""
+        data = self.cfg.data
+        if stage == len(self.cfg.train.stages):
+            train = data.train
+        else:
+            keep = set(self.cfg.train.stages[stage].sources)
+            train = [s for s in data.train if s.name in keep]
+        return replace(data, train=train, seed=data.seed + stage if self.cfg.train.stages else data.seed)
+
+    def enter_stage(self, stage: int) -> bool:
+        """Switch the train loader to `stage` (at a stage boundary, or on resume); -> whether it changed."""
+        if stage == self.stage:
+            return False
+        self.stage = stage
+        self.train_loader = build_loader(self.stage_data(stage), self.tokenizer, "train", self.env.rank,
+                                         self.env.world_size)
+        return True
+
     def save_checkpoint(self) -> Path:
         tok = Path(self.cfg.data.tokenizer)
         files = {TOKENIZER_FILE: tok} if tok.is_file() else {}
@@ -139,10 +174,16 @@ class Trainer:
                 log.info(f"warning: {self.resume_note}")
             if not self.evals:
                 self._evaluate(log)
+            if not self.diagnostics and self.cfg.diagnostics.every:
+                self._diagnose(log)
             train_iter = iter(self.train_loader)
             while self.step < cfg.steps:
                 stats = self.train_step(train_iter)
                 self._log_step(log, stats)
+                if self.enter_stage(self.stage_at(self.step)):
+                    log.info(f"step {self.step}: curriculum stage {self.stage} "
+                             f"({', '.join(s.name for s in self.stage_data(self.stage).train)})")
+                    train_iter = iter(self.train_loader)
                 if cfg.faults.kill_at_step == self.step:
                     self._fault_kill()
                 if stats.time_up:
@@ -150,10 +191,15 @@ class Trainer:
                     break
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
                     self._evaluate(log)
+                every = self.cfg.diagnostics.every
+                if every and self.step % every == 0 and self.step < cfg.steps:
+                    self._diagnose(log)
                 if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < cfg.steps:
                     self.save_checkpoint()
             if self.evals[-1]["step"] != self.step:
                 self._evaluate(log)
+            if self.cfg.diagnostics.every and self.diagnostics[-1]["step"] != self.step:
+                self._diagnose(log)
             path = self.save_checkpoint()
             summary = self.summary(path)
             if self.env.is_main:
@@ -169,6 +215,7 @@ class Trainer:
         accum, world = self.cfg.train.grad_accum, self.env.world_size
         weights = self.balancer.weights()
         acc = dict.fromkeys(_STATS, 0.0)
+        self._head_g = {}
         for i in range(accum):
             t0 = time.perf_counter()
             batch = next(train_iter)
@@ -194,10 +241,13 @@ class Trainer:
         tokens = int(total["tokens"])
         self.tokens_seen += tokens
         task_loss = {t: total[f"sum_{t}"] / total[f"n_{t}"] for t in TASK_NAMES if total[f"n_{t}"]}
-        self.balancer.observe(task_loss, self.step)
-        return StepStats(total["loss"], task_loss, grad_norm, tokens, total["wait_s"] / world,
+        task_acc = {t: total[f"hit_{t}"] / total[f"n_{t}"] for t in TASK_NAMES if total[f"n_{t}"]}
+        if not skipped:
+            self.balancer.observe(task_loss, self.step, self._head_grad_norms(task_loss))
+        ssl = total["ssl"] / (accum * world) if self.cfg.loss.visual_ssl.weight else None
+        return StepStats(total["loss"], task_loss, task_acc, grad_norm, tokens, total["wait_s"] / world,
                          time.perf_counter() - t_start, skipped, int(total["visual"]), int(total["media"]),
-                         int(total["patches"]), total["time_up"] > 0)
+                         int(total["patches"]), total["time_up"] > 0, ssl)
 
     def _micro_batch(self, batch: PackedBatch, weights: dict[str, float], acc: dict) -> torch.Tensor:
         """Forward one micro-batch; -> this rank's share of its loss (the whole loss in one process)."""
@@ -206,16 +256,23 @@ class Trainer:
             counts = torch.stack([((batch.labels_BS != IGNORE_INDEX) & (batch.task_BS == t)).sum()
                                   for t in range(len(TASK_NAMES))]).to(torch.float64)
             counts = all_reduce(torch.cat([counts, counts.sum()[None]]), self.env).tolist()
+        ssl_cfg = self.cfg.loss.visual_ssl
+        ssl_mask = self._ssl_mask(batch) if ssl_cfg.weight else None
         with self._autocast():
-            out = self.model(**batch.model_inputs())
+            out = self.model(**batch.model_inputs(), ssl_mask_N=ssl_mask)
         losses = task_losses(out.logits_BSV, batch.labels_BS, batch.task_BS)
         local_n = [int(losses.count[t]) for t in TASK_NAMES]
         if world > 1:  # the same sum as one process would form over the global micro-batch
             losses.count = {t: torch.tensor(int(counts[i]), device=self.device)
                             for i, t in enumerate(TASK_NAMES)}
         loss = weighted_total(losses, weights)
+        if self.balancer.needs_grad_norms:
+            self._add_head_grads(out, batch, losses.count)
         for aux in out.aux_losses.values():  # MoE balance and router z-loss: means over rows/tokens
             loss = loss + (aux / world if world > 1 else aux)
+        if out.visual_ssl is not None:  # a mean per rank: gradients average it over ranks
+            loss = loss + ssl_cfg.weight * out.visual_ssl / world
+            acc["ssl"] += float(out.visual_ssl.detach())
         if self.cfg.loss.z_loss:
             z = z_loss(out.logits_BSV, batch.labels_BS)
             if world > 1:
@@ -227,12 +284,45 @@ class Trainer:
         for t, n in zip(TASK_NAMES, local_n):
             acc[f"sum_{t}"] += float(losses.loss_sum[t].detach())
             acc[f"n_{t}"] += n
+            acc[f"hit_{t}"] += float(losses.correct[t])
         real = batch.task_BS >= 0
         acc["tokens"] += batch.num_tokens()
         acc["visual"] += int((real & (batch.modality_BS != TEXT)).sum())
         acc["media"] += batch.grid_thw_M3.shape[0]
         acc["patches"] += batch.patches_NP.shape[0]
         return loss
+
+    def _ssl_mask(self, batch: PackedBatch) -> torch.Tensor:
+        """Which patches the masked-patch term hides: a pure function of (seed, step, rank, batch)."""
+        cfg = self.cfg.loss.visual_ssl
+        gen = torch.Generator().manual_seed(hash((self.cfg.train.seed, self.step, self.env.rank,
+                                                  batch.patches_NP.shape[0])) % 2**63)
+        mask_N = make_ssl_mask(batch.grid_thw_M3.cpu(), cfg.mask_ratio, cfg.media_share, gen)
+        return mask_N.to(self.device)
+
+    def _add_head_grads(self, out, batch: PackedBatch, counts: dict[str, torch.Tensor]) -> None:
+        """GradNorm: add this micro-batch's per-task LM-head gradients (of the unweighted task means)."""
+        head = self.raw_model.decoder.lm_head
+        weight_VD = (self.raw_model.decoder.embed if head is None else head).weight
+        if hasattr(weight_VD, "full_tensor"):  # FSDP2 DTensor shard: gather it (every rank does)
+            weight_VD = weight_VD.full_tensor()
+        grads = head_grads(out.hidden_BSD.detach(), out.logits_BSV.detach(), batch.labels_BS, batch.task_BS,
+                           weight_VD.detach(), counts)
+        accum = self.cfg.train.grad_accum
+        for t, g_VD in grads.items():
+            self._head_g[t] = self._head_g.get(t, 0) + g_VD / accum
+
+    def _head_grad_norms(self, tasks) -> dict[str, float] | None:
+        """Norms of this step's per-task LM-head gradients (`tasks`: those with tokens on any rank),
+        summed over ranks first: a (3, V, D) all-reduce per step, GradNorm's distributed cost."""
+        if not self.balancer.needs_grad_norms:
+            return None
+        if self.env.distributed:
+            zeros_VD = torch.zeros(self.raw_model.decoder.embed.weight.shape, device=self.device)
+            stacked_TVD = torch.stack([self._head_g.get(t, zeros_VD) for t in TASK_NAMES])
+            all_reduce(stacked_TVD, self.env)
+            self._head_g = dict(zip(TASK_NAMES, stacked_TVD))
+        return {t: float(self._head_g[t].norm()) for t in tasks if t in self._head_g}
 
     def _reduce(self, acc: dict) -> dict:
         if not self.env.distributed:
@@ -293,6 +383,31 @@ class Trainer:
         log.info(f"eval @ {self.step}: loss {', '.join(parts)} | reliance gap {', '.join(gaps)}")
         return result
 
+    def _diagnose(self, log: RunLogger) -> None:
+        """Collapse diagnostics on the first `diagnostics.batches` val batches (the same every time)."""
+        cfg = self.cfg.diagnostics
+        batches = self.val_batches()[:cfg.batches]
+        most = int(all_reduce(torch.tensor([len(batches)], device=self.device), self.env, op="max").item())
+        media = self.cfg.data.media
+        patch_dim = 3 * media.temporal_patch * media.patch_size ** 2
+        batches = batches + [dummy_batch(self.cfg.data.seq_len, patch_dim)
+                             for _ in range(most - len(batches))]
+        reduce_fn = (lambda t: all_reduce(t, self.env)) if self.env.distributed else None
+        result = run_diagnostics(self.model, batches, self.device, cfg, self.step, self._autocast, reduce_fn,
+                                 raw_model=self.raw_model)
+        alarms = result.alarms(cfg, self.step)
+        self.diagnostics.append({"step": self.step, "alarms": alarms, **result.to_dict()})
+        log.scalars(self.step, result.scalars())
+        image_HW3 = result.expert_load_image() if self.env.is_main else None
+        if image_HW3 is not None:
+            log.image(self.step, "diag/expert_load", image_HW3)
+        for alarm in alarms:
+            log.info(f"ALARM @ {self.step}: {alarm}")
+        if self.env.is_main:
+            with open(self.run_dir / DIAG_FILE, "a", encoding="utf-8") as f:
+                f.write(json.dumps(self.diagnostics[-1]) + "\n")
+        self.balancer.observe_reliance(result.reliance_gap, self.step)
+
     def _log_step(self, log: RunLogger, s: StepStats) -> None:
         world = self.env.world_size
         tok_s = s.tokens / world / max(s.step_s, 1e-9)  # per device
@@ -305,10 +420,14 @@ class Trainer:
             self._run_perf.add(s.tokens, s.visual_tokens, s.media, s.patches, s.step_s)
         short = {"text": "txt", "image_text": "img", "video_text": "vid"}
         losses = " ".join(f"{short[t]} {v:.2f}" for t, v in s.task_loss.items())
+        weights = self.balancer.weights()
+        w_info = "" if self.cfg.loss.balancer.kind == "static" else (
+            " | w " + "/".join(f"{weights[t]:.2f}" for t in TASK_NAMES))
         unit = "tok/s/dev" if world > 1 else "tok/s"
-        log.progress(self.step, f"{losses} | {tok_s:,.0f} {unit} | wait {wait:.0%}")
+        log.progress(self.step, f"{losses}{w_info} | {tok_s:,.0f} {unit} | wait {wait:.0%}")
         lr = self.scheduler.get_last_lr()[0]
-        log.record({"step": self.step, "loss": s.loss, "task_loss": s.task_loss, "grad_norm": s.grad_norm,
+        log.record({"step": self.step, "loss": s.loss, "task_loss": s.task_loss, "task_acc": s.task_acc,
+                    "weights": weights, "visual_ssl": s.visual_ssl, "grad_norm": s.grad_norm,
                     "lr": lr, "skipped": s.skipped, "tokens": s.tokens, "step_s": s.step_s,
                     "wait_s": s.data_wait_s})
         if s.skipped:
@@ -316,7 +435,11 @@ class Trainer:
                      f"({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
         if self.step % self.cfg.train.log_every == 0 or s.skipped:
             scalars = {f"train/loss_{t}": v for t, v in s.task_loss.items()}
-            scalars.update({f"train/weight_{t}": w for t, w in self.balancer.weights().items()})
+            scalars.update({f"train/acc_{t}": v for t, v in s.task_acc.items()})
+            scalars.update({f"train/weight_{t}": w for t, w in weights.items()})
+            scalars.update(self.balancer.scalars())
+            if s.visual_ssl is not None:
+                scalars["train/loss_visual_ssl"] = s.visual_ssl
             scalars.update({
                 "train/loss": s.loss, "train/grad_norm": s.grad_norm, "train/lr": lr,
                 "train/skipped_steps": self.skipped_steps, "perf/data_wait_frac": wait,
@@ -349,6 +472,8 @@ class Trainer:
             "world_size": world, "tokens_per_s_per_device": perf.tokens_per_s_per_device(world),
             "mfu": mfu, "peak_mem_gib": self._peak_memory(),
             "start": self.evals[0], "end": self.evals[-1],
+            "balancer": self.cfg.loss.balancer.kind, "weights": self.balancer.weights(),
+            "diagnostics": self.diagnostics[-1] if self.diagnostics else None,
         }
 
 

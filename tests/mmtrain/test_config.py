@@ -75,6 +75,8 @@ def test_overrides_parse_as_yaml(tmp_path):
         ("steps: 1\n", ["inner.lr=fast"], "run.yaml: inner.lr: expected float, got 'fast'"),
         ("steps: 1\n", ["steps.x=1"], "steps is not a section"),
         ("steps: 1\n", ["novalue"], "expected KEY=VALUE"),
+        ("items: [{name: a}]\n", ["items.1.weight=2"], "items has no item '1' (a list of 1)"),
+        ("items: [{name: a}]\n", ["items.x.weight=2"], "items has no item 'x'"),
     ],
 )
 def test_errors_name_key_and_file(tmp_path, text, overrides, expected):
@@ -94,3 +96,10 @@ def test_apply_override_creates_sections():
     raw = {}
     apply_override(raw, "a.b.c=[1, 2]")
     assert raw == {"a": {"b": {"c": [1, 2]}}}
+
+
+def test_override_indexes_lists():
+    raw = {"items": [{"name": "a"}, {"name": "b", "weight": 1}]}
+    apply_override(raw, "items.1.weight=2.5")
+    apply_override(raw, "items.0=c")
+    assert raw == {"items": ["c", {"name": "b", "weight": 2.5}]}

@@ -9,7 +9,9 @@ from mmtrain.config import load_config
 from mmtrain.run_config import RunConfig
 from models.multimodal import MultimodalModel
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml"))
+ROOT = Path(__file__).resolve().parents[2] / "configs"
+EXPERIMENTS = sorted(ROOT.rglob("experiment.yaml"))  # experiment files: a base config plus arms
+CONFIGS = sorted(set(ROOT.rglob("*.yaml")) - set(EXPERIMENTS))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -25,9 +27,18 @@ def test_config_parses_and_builds(path):
 def test_sizes_match_their_descriptions():
     sizes = {}
     for name in ("small", "base"):
-        cfg = load_config(RunConfig, Path(CONFIGS[0]).parent / f"{name}.yaml")
+        cfg = load_config(RunConfig, ROOT / f"{name}.yaml")
         cfg.model.decoder.vocab_size = 32768
         with torch.device("meta"):
             sizes[name] = MultimodalModel(cfg.model).num_params()
     assert 250e6 < sizes["small"].total < 350e6
     assert 2.5e9 < sizes["base"].total < 3.3e9 and 0.5e9 < sizes["base"].active < 0.7e9
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.parent.name)
+def test_experiment_arms_resolve(path, tmp_path):
+    from tools.experiments.collapse import load_experiment, plan_runs
+
+    exp = load_experiment(path)
+    runs = plan_runs(exp, tmp_path, list(exp.arms), exp.seeds, [])
+    assert len(runs) == len(exp.arms) * len(exp.seeds) and len(exp.seeds) >= 3
