@@ -1,0 +1,164 @@
+"""The modality-collapse experiment: arms x seeds on the built-in corpus, one table.
+
+An experiment file (configs/experiments/collapse/experiment.yaml) names a base run config and the
+arms, each a list of `--set` overrides of it; every arm trains on the same token budget (same
+steps, rows and row length). Each (arm, seed) is one `python -m mmtrain.train` process with its
+own run directory, `--jobs` at a time with `--threads` each. A run whose summary.json exists is
+not run again, so an interrupted experiment continues where it stopped.
+
+    python -m tools.experiments.collapse                        # the whole experiment (< 1 h, 2 cores)
+    python -m tools.experiments.collapse --arms static,staged --seeds 0
+    python -m tools.experiments.collapse --smoke --out /tmp/smoke   # seconds: wiring only (CI)
+
+Writes OUT/results.json, OUT/table.md and OUT/*.png (copied to --report DIR when given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from mmtrain.config import load_config
+from mmtrain.errors import ConfigError, UserError
+from mmtrain.run_config import RunConfig
+from tools.experiments.summarize import summarize_runs, write_outputs
+
+DEFAULT = Path("configs/experiments/collapse/experiment.yaml")
+# --smoke: a few steps of each arm on a few tokens (checks the wiring of every arm, not results)
+SMOKE = ["train.steps=4", "data.batch_size=2", "data.seq_len=128", "data.num_workers=0",
+         "data.shuffle_buffer=8", "train.eval_batches=1", "diagnostics.every=2", "diagnostics.batches=1",
+         "diagnostics.max_rows=16", "diagnostics.warmup_steps=0", "train.log_every=2", "train.ckpt_every=0",
+         "loss.balancer.window=1"]
+
+
+@dataclass
+class Experiment:
+    base: Path
+    seeds: list[int]
+    arms: dict[str, list[str]]
+    collapse_gap: float = 0.05  # a media task whose final reliance gap is below this has collapsed
+    notes: dict[str, str] = field(default_factory=dict)  # arm -> one line for the table
+
+
+@dataclass
+class Run:
+    arm: str
+    seed: int
+    run_dir: Path
+    overrides: list[str]
+
+
+def load_experiment(path: Path) -> Experiment:
+    if not path.is_file():
+        raise ConfigError(f"{path}: experiment file not found")
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    known = {"base", "seeds", "arms", "collapse_gap", "notes"}
+    if not isinstance(raw, dict) or set(raw) - known:
+        raise ConfigError(f"{path}: expected a mapping with keys {sorted(known)}")
+    if not isinstance(raw.get("arms"), dict) or not raw["arms"]:
+        raise ConfigError(f"{path}: arms: need a mapping arm name -> list of KEY=VALUE overrides")
+    arms = {}
+    for name, items in raw["arms"].items():
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ConfigError(f"{path}: arms.{name}: need a list of KEY=VALUE strings")
+        arms[str(name)] = items
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise ConfigError(f"{path}: seeds: need a non-empty list of integers")
+    return Experiment(path.parent / raw.get("base", "base.yaml"), seeds, arms,
+                      float(raw.get("collapse_gap", 0.05)), dict(raw.get("notes") or {}))
+
+
+def plan_runs(exp: Experiment, out: Path, arms: list[str], seeds: list[int], extra: list[str]) -> list[Run]:
+    """Every (arm, seed), its overrides checked now: a typo fails before anything trains."""
+    runs = []
+    for arm in arms:
+        if arm not in exp.arms:
+            raise UserError(f"--arms: unknown arm {arm!r} (known: {', '.join(exp.arms)})")
+        for seed in seeds:
+            run_dir = out / arm / f"seed{seed}"
+            overrides = [*exp.arms[arm], f"train.seed={seed}", f"data.seed={seed}", *extra,
+                         f"run_dir={run_dir}"]
+            load_config(RunConfig, exp.base, overrides)
+            runs.append(Run(arm, seed, run_dir, overrides))
+    return runs
+
+
+def run_one(run: Run, base: Path, threads: int, force: bool) -> tuple[Run, float, int]:
+    summary = run.run_dir / "summary.json"
+    if summary.exists() and not force:
+        return run, 0.0, 0
+    if run.run_dir.exists():
+        shutil.rmtree(run.run_dir)  # a partial run restarts from scratch: same steps for every arm
+    run.run_dir.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "mmtrain.train", str(base), "--quiet",
+           "--set", f"train.threads={threads}", *[a for o in run.overrides for a in ("--set", o)]]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    t0 = time.perf_counter()
+    with open(run.run_dir / "stdout.log", "w", encoding="utf-8") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    return run, time.perf_counter() - t0, code
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.experiments.collapse", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experiment", type=Path, default=DEFAULT)
+    p.add_argument("--out", type=Path, default=Path("runs/collapse"))
+    p.add_argument("--arms", help="comma-separated subset of the arms (default: all)")
+    p.add_argument("--seeds", help="comma-separated seeds (default: the experiment's)")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                   help="override every arm's config (repeatable)")
+    p.add_argument("--smoke", action="store_true", help="a few steps per arm: checks wiring, not results")
+    p.add_argument("--force", action="store_true", help="rerun runs that already have a summary")
+    p.add_argument("--report", type=Path, help="also copy table.md, results.json and plots here")
+    args = p.parse_args(argv)
+
+    from mmtrain.cli import run_guarded
+
+    return run_guarded(lambda: _run(args))
+
+
+def _run(args) -> int:
+    exp = load_experiment(args.experiment)
+    arms = args.arms.split(",") if args.arms else list(exp.arms)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else exp.seeds
+    extra = (SMOKE if args.smoke else []) + args.extra
+    runs = plan_runs(exp, args.out, arms, seeds, extra)
+    print(f"{len(runs)} runs ({len(arms)} arms x {len(seeds)} seeds), {args.jobs} at a time -> {args.out}",
+          flush=True)
+    t0 = time.perf_counter()
+    failed = []
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        jobs = [pool.submit(run_one, r, exp.base, args.threads, args.force) for r in runs]
+        for job in jobs:
+            run, seconds, code = job.result()
+            state = "cached" if seconds == 0 and code == 0 else ("ok" if code == 0 else f"FAILED ({code})")
+            print(f"  {run.arm:<16} seed {run.seed}: {state} {seconds / 60:5.1f} min  {run.run_dir}",
+                  flush=True)
+            if code:
+                failed.append(run)
+    if failed:
+        raise UserError(f"{len(failed)} run(s) failed; see {failed[0].run_dir / 'stdout.log'}")
+    results = summarize_runs(runs, exp)
+    results["wall_min"] = (time.perf_counter() - t0) / 60
+    results["command"] = "python -m tools.experiments.collapse " + " ".join(sys.argv[1:])
+    written = write_outputs(results, args.out, args.report)
+    print((args.out / "table.md").read_text(encoding="utf-8"))
+    print(f"wrote {', '.join(str(w) for w in written)} in {results['wall_min']:.1f} min", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

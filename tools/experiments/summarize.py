@@ -1,0 +1,185 @@
+"""Collect the runs of an experiment into one table (mean and spread over seeds) and plots.
+
+Per run: the final val losses and reliance gaps (summary.json: the whole val split), the final
+text->visual attention mass and the reliance-gap curve (diagnostics.jsonl), the final weights.
+A media task *collapses* in a run when its final reliance gap is below the experiment's
+`collapse_gap`: its text no longer reads the pixels.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+from data_pipelines.batch import TASK_NAMES
+from mmtrain.evaluate import MEDIA_TASKS
+
+SHORT = {"text": "text", "image_text": "image", "video_text": "video"}
+
+
+def read_run(run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    diag_path = run_dir / "diagnostics.jsonl"
+    diags = [json.loads(line) for line in diag_path.read_text(encoding="utf-8").splitlines()
+             if line.strip()] if diag_path.exists() else []
+    end = summary["end"]
+    last = diags[-1] if diags else {}
+    return {
+        "loss": end["loss"], "gap": end["reliance_gap"], "weights": summary.get("weights", {}),
+        "attn_mass": {t: _layer_mean(a.get("mass")) for t, a in last.get("attention", {}).items()},
+        "effective_rank": last.get("effective_rank", {}),
+        "curve": [(d["step"], d.get("reliance_gap", {})) for d in diags],
+        "alarms": sum(len(d.get("alarms", [])) for d in diags),
+        "tokens": summary["tokens_seen"], "steps": summary["steps"],
+    }
+
+
+def _layer_mean(values: list | None) -> float | None:
+    values = [v for v in values or [] if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _stats(values: list[float]) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": statistics.fmean(values), "sd": sd, "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def summarize_runs(runs, exp) -> dict:
+    """-> {"arms": {arm: {metric: {task: stats}}, "collapsed": {task: k}}, "runs": [...]}"""
+    by_arm: dict[str, list[dict]] = {}
+    per_run = []
+    for run in runs:
+        r = read_run(run.run_dir)
+        by_arm.setdefault(run.arm, []).append(r)
+        per_run.append({"arm": run.arm, "seed": run.seed, **{k: v for k, v in r.items() if k != "curve"}})
+    arms = {}
+    for arm, rs in by_arm.items():
+        arms[arm] = {
+            "seeds": len(rs),
+            "tokens": rs[0]["tokens"],
+            "loss": {t: _stats([r["loss"].get(t) for r in rs]) for t in TASK_NAMES},
+            "gap": {t: _stats([r["gap"].get(t) for r in rs]) for t in MEDIA_TASKS},
+            "attn_mass": {t: _stats([r["attn_mass"].get(t) for r in rs]) for t in MEDIA_TASKS},
+            "weights": {t: _stats([r["weights"].get(t) for r in rs]) for t in TASK_NAMES},
+            "collapsed": {t: sum(r["gap"].get(t, 0.0) < exp.collapse_gap for r in rs) for t in MEDIA_TASKS},
+            "curve": _mean_curve([r["curve"] for r in rs]),
+        }
+    return {"collapse_gap": exp.collapse_gap, "notes": exp.notes, "arms": arms, "runs": per_run}
+
+
+def _mean_curve(curves: list[list]) -> dict[str, list[tuple[int, float]]]:
+    """Reliance gap per task against step, averaged over the seeds that have that step."""
+    out = {}
+    for task in MEDIA_TASKS:
+        points: dict[int, list[float]] = {}
+        for curve in curves:
+            for step, gaps in curve:
+                if task in gaps:
+                    points.setdefault(step, []).append(gaps[task])
+        out[task] = [(s, statistics.fmean(v)) for s, v in sorted(points.items())]
+    return out
+
+
+def _ms(s: dict | None, signed: bool = False) -> str:
+    if s is None:
+        return "-"
+    mean = f"{s['mean']:+.3f}" if signed else f"{s['mean']:.3f}"
+    return f"{mean} ± {s['sd']:.3f}"
+
+
+def table_md(results: dict) -> str:
+    head = ["arm", "seeds", "loss text", "loss image", "loss video", "gap image", "gap video",
+            "attn mass image", "attn mass video", "weights end (t/i/v)", "collapsed (i/v)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, a in results["arms"].items():
+        w = "/".join("-" if a["weights"][t] is None else f"{a['weights'][t]['mean']:.2f}" for t in TASK_NAMES)
+        n = a["seeds"]
+        row = [arm, str(n), *(_ms(a["loss"][t]) for t in TASK_NAMES),
+               *(_ms(a["gap"][t], signed=True) for t in MEDIA_TASKS),
+               *(_ms(a["attn_mass"][t]) for t in MEDIA_TASKS), w,
+               f"{a['collapsed']['image_text']}/{n}, {a['collapsed']['video_text']}/{n}"]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    lines.append(f"Values: mean ± sd over seeds, at the end of training, on the val split (losses and "
+                 f"gaps in nats). A run collapses for a media task when its reliance gap is below "
+                 f"{results['collapse_gap']} nats.")
+    for arm, note in results.get("notes", {}).items():
+        if arm in results["arms"]:
+            lines.append(f"- `{arm}`: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(results: dict, path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = results["arms"]
+    if not any(a["curve"][t] for a in arms.values() for t in MEDIA_TASKS):
+        return None
+    fig, axes = plt.subplots(1, len(MEDIA_TASKS), figsize=(6 * len(MEDIA_TASKS), 4), squeeze=False)
+    for ax, task in zip(axes[0], MEDIA_TASKS):
+        for arm, a in arms.items():
+            pts = a["curve"][task]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=arm)
+        ax.axhline(results["collapse_gap"], color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"reliance gap, {SHORT[task]} (diagnostics set, mean over seeds)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("nats")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_final(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(results["arms"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(TASK_NAMES)
+    for i, task in enumerate(TASK_NAMES):
+        stats = [results["arms"][a]["loss"][task] for a in arms]
+        axes[0].bar([x + i * width for x in range(len(arms))], [s["mean"] if s else 0 for s in stats], width,
+                    yerr=[s["sd"] if s else 0 for s in stats], label=SHORT[task])
+    width = 0.8 / len(MEDIA_TASKS)
+    for i, task in enumerate(MEDIA_TASKS):
+        stats = [results["arms"][a]["gap"][task] for a in arms]
+        axes[1].bar([x + i * width for x in range(len(arms))], [s["mean"] if s else 0 for s in stats], width,
+                    yerr=[s["sd"] if s else 0 for s in stats], label=SHORT[task])
+    axes[1].axhline(results["collapse_gap"], color="grey", linestyle=":", linewidth=1)
+    for ax, title in zip(axes, ("final val loss (nats)", "final reliance gap (nats)")):
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(arms))], arms, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(results: dict, out: Path, report: Path | None) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.json", out / "table.md"]
+    written[0].write_text(json.dumps(results, indent=2), encoding="utf-8")
+    written[1].write_text(table_md(results), encoding="utf-8")
+    for plot in (plot_curves(results, out / "reliance_gap.png"), plot_final(results, out / "final.png")):
+        if plot is not None:
+            written.append(plot)
+    if report is not None:
+        report.mkdir(parents=True, exist_ok=True)
+        for path in written:
+            shutil.copy(path, report / path.name)
+    return written
