@@ -13,9 +13,9 @@ def summary_table(summary: dict) -> Table:
     weights = summary.get("weights") or {}
     table = Table(title=f"{summary['run_dir']}: step {start['step']} -> {end['step']} (val split); "
                         f"balancer {summary.get('balancer', 'static')}")
-    for col in ("modality", "loss start", "loss end", "acc end", "reliance gap start", "reliance gap end",
-                "weight end"):
-        table.add_column(col, justify="left" if col == "modality" else "right")
+    for col in ("modality", "loss start", "loss end", "acc end", "gap start", "gap end", "weight end"):
+        table.add_column(col, justify="left" if col == "modality" else "right", no_wrap=col == "modality")
+    table.caption = "gap: reliance gap, val loss with media blanked minus with real media (nats)"
     for task in TASK_NAMES:
         if task not in end["loss"]:
             continue

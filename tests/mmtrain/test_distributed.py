@@ -139,7 +139,9 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
     ["dist.strategy=ddp", "train.grad_accum=2"],  # no_sync on the first micro-batch
     ["dist.strategy=fsdp", "train.grad_accum=2", "dist.activation_checkpointing=true",
      "dist.reshard_after_forward=false"],
-], ids=["fsdp", "ddp-accum", "fsdp-accum-ac-zero2"])
+    # GradNorm's weights come from all-reduced head gradients: the same as one process's
+    ["dist.strategy=fsdp", "train.grad_accum=2", "loss.balancer.kind=gradnorm", "loss.balancer.lr=0.5"],
+], ids=["fsdp", "ddp-accum", "fsdp-accum-ac-zero2", "fsdp-gradnorm"])
 def test_two_ranks_match_one_process_on_the_same_global_batch(make_raw, tmp_path, variant):
     """FSDP2 (or DDP) over 2 ranks holding half the rows each = one process holding all of them."""
     config = write_config(make_raw, tmp_path / "run", ["data.batch_size=4", *variant])
@@ -151,6 +153,24 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(make_raw, tmp_path
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=0)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4, abs=0)
     assert one["loss"][-1] < one["loss"][1]  # (step 1 lacks a task: totals differ in kind)
+
+
+def test_two_ranks_run_diagnostics_reliance_guard_and_visual_ssl(make_raw, tmp_path):
+    """Diagnostics are collective under FSDP (every rank joins, sums are all-reduced): both ranks
+    see the same gaps, so the reliance guard moves the weights identically on each."""
+    run = tmp_path / "run"
+    config = write_config(make_raw, run, [
+        "train.steps=4", "train.ckpt_every=0", "diagnostics.every=2", "diagnostics.batches=1",
+        "diagnostics.warmup_steps=0", "loss.balancer.kind=reliance_guard", "model.vision.ssl_head=true",
+        "loss.visual_ssl.weight=0.5"])
+    train(config, 2)
+    diags = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in diags] == [0, 2, 4]
+    assert all(set(d["reliance_gap"]) <= {"image_text", "video_text"} for d in diags)
+    recs = step_records(run)
+    assert all(r["visual_ssl"] is not None for r in recs.values())
+    weights = json.loads((run / "summary.json").read_text())["weights"]
+    assert weights["text"] == 1.0 and max(weights.values()) > 1.0  # an untrained model: gaps ~0
 
 
 # ----- kill and resume ---------------------------------------------------------------------------

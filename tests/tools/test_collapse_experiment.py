@@ -60,7 +60,8 @@ def test_smoke_runs_every_arm_and_writes_the_table(tmp_path, capsys):
     assert "curriculum stage 1" in (out / "staged" / "seed0" / "train.log").read_text()
     table = (out / "table.md").read_text()
     assert all(f"| {arm} |" in table for arm in shipped_arms)
-    for name in ("table.md", "results.json", "final.png", "reliance_gap.png"):
+    for name in ("table.md", "results.json", "final.png", "reliance_gap_image_text.png",
+                 "reliance_gap_video_text.png"):
         assert (report / name).is_file(), name
     capsys.readouterr()
     assert main(args) == 0  # everything cached: nothing retrains

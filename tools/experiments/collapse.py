@@ -139,7 +139,7 @@ def _run(args) -> int:
     print(f"{len(runs)} runs ({len(arms)} arms x {len(seeds)} seeds), {args.jobs} at a time -> {args.out}",
           flush=True)
     t0 = time.perf_counter()
-    failed = []
+    failed, trained = [], 0
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         jobs = [pool.submit(run_one, r, exp.base, args.threads, args.force) for r in runs]
         for job in jobs:
@@ -149,10 +149,12 @@ def _run(args) -> int:
                   flush=True)
             if code:
                 failed.append(run)
+            trained += seconds > 0
     if failed:
         raise UserError(f"{len(failed)} run(s) failed; see {failed[0].run_dir / 'stdout.log'}")
     results = summarize_runs(runs, exp)
-    results["wall_min"] = (time.perf_counter() - t0) / 60
+    results["wall_min"] = (time.perf_counter() - t0) / 60  # of this invocation
+    results["trained_now"] = trained  # runs trained by it (the others were already finished)
     results["command"] = "python -m tools.experiments.collapse " + " ".join(sys.argv[1:])
     written = write_outputs(results, args.out, args.report)
     print((args.out / "table.md").read_text(encoding="utf-8"))

@@ -69,6 +69,8 @@ def summarize_runs(runs, exp) -> dict:
             "weights": {t: _stats([r["weights"].get(t) for r in rs]) for t in TASK_NAMES},
             "collapsed": {t: sum(r["gap"].get(t, 0.0) < exp.collapse_gap for r in rs) for t in MEDIA_TASKS},
             "curve": _mean_curve([r["curve"] for r in rs]),
+            "seed_curves": [{t: [(step, g[t]) for step, g in r["curve"] if t in g] for t in MEDIA_TASKS}
+                            for r in rs],
         }
     return {"collapse_gap": exp.collapse_gap, "notes": exp.notes, "arms": arms, "runs": per_run}
 
@@ -115,30 +117,38 @@ def table_md(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(results: dict, path: Path) -> Path | None:
+def plot_curves(results: dict, out: Path) -> list[Path]:
+    """Per media task: one panel per arm, one line per seed (a mean would hide which seeds collapse)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     arms = results["arms"]
-    if not any(a["curve"][t] for a in arms.values() for t in MEDIA_TASKS):
-        return None
-    fig, axes = plt.subplots(1, len(MEDIA_TASKS), figsize=(6 * len(MEDIA_TASKS), 4), squeeze=False)
-    for ax, task in zip(axes[0], MEDIA_TASKS):
-        for arm, a in arms.items():
-            pts = a["curve"][task]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=arm)
-        ax.axhline(results["collapse_gap"], color="grey", linestyle=":", linewidth=1)
-        ax.set_title(f"reliance gap, {SHORT[task]} (diagnostics set, mean over seeds)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("nats")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    paths = []
+    for task in MEDIA_TASKS:
+        if not any(c[task] for a in arms.values() for c in a["seed_curves"]):
+            continue
+        cols = min(3, len(arms))
+        rows = -(-len(arms) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.6 * rows), sharex=True, sharey=True,
+                                 squeeze=False)
+        for ax, (arm, a) in zip(axes.flat, arms.items()):
+            for i, curve in enumerate(a["seed_curves"]):
+                pts = curve[task]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", linewidth=1, label=f"seed {i}")
+            ax.axhline(results["collapse_gap"], color="grey", linestyle=":", linewidth=1)
+            ax.set_title(arm, fontsize=10)
+        for ax in axes.flat[len(arms):]:
+            ax.axis("off")
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"reliance gap {SHORT[task]} (nats, diagnostics set) against step, per seed")
+        fig.tight_layout()
+        path = out / f"reliance_gap_{task}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
 def plot_final(results: dict, path: Path) -> Path:
@@ -175,9 +185,7 @@ def write_outputs(results: dict, out: Path, report: Path | None) -> list[Path]:
     written = [out / "results.json", out / "table.md"]
     written[0].write_text(json.dumps(results, indent=2), encoding="utf-8")
     written[1].write_text(table_md(results), encoding="utf-8")
-    for plot in (plot_curves(results, out / "reliance_gap.png"), plot_final(results, out / "final.png")):
-        if plot is not None:
-            written.append(plot)
+    written += [*plot_curves(results, out), plot_final(results, out / "final.png")]
     if report is not None:
         report.mkdir(parents=True, exist_ok=True)
         for path in written:
