@@ -173,7 +173,7 @@ def plot_final(results: dict, path: Path) -> Path:
     for ax, title in zip(axes, ("final val loss (nats)", "final reliance gap (nats)")):
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(arms))], arms, rotation=30, ha="right")
         ax.set_title(title)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
