@@ -42,9 +42,15 @@ def evaluate_ranks(model: nn.Module, batches: list[PackedBatch], device: torch.d
     """`evaluate` over every rank's batches; in one process exactly `evaluate`."""
     if not env.distributed:
         return evaluate(model, batches, device, autocast)
-    most = int(all_reduce(torch.tensor([len(batches)], device=device), env, op="max").item())
-    local = evaluate(model, batches + [pad() for _ in range(most - len(batches))], device, autocast)
+    local = evaluate(model, pad_to_most(batches, env, device, pad), device, autocast)
     return reduce_result(local, env, device)
+
+
+def pad_to_most(batches: list[PackedBatch], env: DistEnv, device: torch.device,
+                pad: Callable[[], PackedBatch]) -> list[PackedBatch]:
+    """`batches` plus `pad()` batches up to the largest count on any rank (collective forwards)."""
+    most = int(all_reduce(torch.tensor([len(batches)], device=device), env, op="max").item())
+    return batches + [pad() for _ in range(most - len(batches))]
 
 
 def reduce_result(local: EvalResult, env: DistEnv, device: torch.device) -> EvalResult:

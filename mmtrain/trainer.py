@@ -34,7 +34,7 @@ from mmtrain.balance import build_balancer
 from mmtrain.checkpoint import TOKENIZER_FILE, Checkpointer
 from mmtrain.config import to_dict
 from mmtrain.diagnostics import run_diagnostics
-from mmtrain.dist_eval import dummy_batch, evaluate_ranks
+from mmtrain.dist_eval import dummy_batch, evaluate_ranks, pad_to_most
 from mmtrain.distributed import DistEnv, all_reduce, current_env, pick_device, restart_count
 from mmtrain.errors import UserError
 from mmtrain.evaluate import EvalResult
@@ -98,7 +98,7 @@ class Trainer:
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.evals: list[dict] = []  # {"step": N, ...EvalResult.to_dict()}
-        self.diagnostics: list[dict] = []  # {"step": N, "alarms": [...], ...DiagResult.to_dict()}
+        self.diagnostics: list[dict] = []  # DiagResult.to_dict() of each run: step, alarms, signals
         self._head_g: dict[str, torch.Tensor] = {}  # GradNorm: LM-head gradient per task, this step
         self._val_cache: list[PackedBatch] | None = None
         self.verbose = verbose
@@ -372,10 +372,8 @@ class Trainer:
         return self._val_cache
 
     def _evaluate(self, log: RunLogger) -> EvalResult:
-        media = self.cfg.data.media
-        patch_dim = 3 * media.temporal_patch * media.patch_size ** 2
-        result = evaluate_ranks(self.model, self.val_batches(), self.device, self.env,
-                                lambda: dummy_batch(self.cfg.data.seq_len, patch_dim), self._autocast)
+        result = evaluate_ranks(self.model, self.val_batches(), self.device, self.env, self._pad_batch,
+                                self._autocast)
         self.evals.append({"step": self.step, **result.to_dict()})
         log.scalars(self.step, result.scalars())
         parts = [f"{t} {v:.3f}" for t, v in result.loss.items()]
@@ -383,20 +381,19 @@ class Trainer:
         log.info(f"eval @ {self.step}: loss {', '.join(parts)} | reliance gap {', '.join(gaps)}")
         return result
 
+    def _pad_batch(self) -> PackedBatch:
+        """A batch that adds nothing to any sum: pads a rank's val batches to the others' count."""
+        return dummy_batch(self.cfg.data.seq_len, self.cfg.model.vision.patch_dim)
+
     def _diagnose(self, log: RunLogger) -> None:
         """Collapse diagnostics on the first `diagnostics.batches` val batches (the same every time)."""
         cfg = self.cfg.diagnostics
-        batches = self.val_batches()[:cfg.batches]
-        most = int(all_reduce(torch.tensor([len(batches)], device=self.device), self.env, op="max").item())
-        media = self.cfg.data.media
-        patch_dim = 3 * media.temporal_patch * media.patch_size ** 2
-        batches = batches + [dummy_batch(self.cfg.data.seq_len, patch_dim)
-                             for _ in range(most - len(batches))]
+        batches = pad_to_most(self.val_batches()[:cfg.batches], self.env, self.device, self._pad_batch)
         reduce_fn = (lambda t: all_reduce(t, self.env)) if self.env.distributed else None
         result = run_diagnostics(self.model, batches, self.device, cfg, self.step, self._autocast, reduce_fn,
                                  raw_model=self.raw_model)
-        alarms = result.alarms(cfg, self.step)
-        self.diagnostics.append({"step": self.step, "alarms": alarms, **result.to_dict()})
+        self.diagnostics.append(result.to_dict())  # with its step and alarms
+        alarms = self.diagnostics[-1]["alarms"]
         log.scalars(self.step, result.scalars())
         image_HW3 = result.expert_load_image() if self.env.is_main else None
         if image_HW3 is not None:
