@@ -33,7 +33,9 @@ POSITIONS = (
     "bottom left", "bottom", "bottom right",
 )  # fmt: skip
 MOTIONS = ("moves left", "moves right", "moves up", "moves down", "grows", "shrinks")
-NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five")
+# Counted in captions up to 2 objects x 9 images (SynthConfig.max_images <= 9) of one colour.
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+                "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen")
 
 
 def color_rgb(name: str) -> tuple[int, int, int]:

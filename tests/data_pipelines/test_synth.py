@@ -208,3 +208,13 @@ def test_cli_run_writes_corpus(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert [ln.split(":")[0] for ln in lines] == list(SPLITS)
     assert json.loads((tmp_path / "manifest.json").read_text())["counts"]["train"]["image"] == 5
+
+
+def test_interleaved_text_counts_up_to_the_largest_document():
+    """9 images of 2 objects, all one colour: the intro and the closing count still have words."""
+    rng = np.random.default_rng(0)
+    scenes = [[world.Obj("circle", "red", "small", "top left"), world.Obj("square", "red", "large", "bottom")]
+              for _ in range(9)]
+    segs = world.interleaved_texts(rng, scenes)
+    assert segs.count(None) == 9
+    assert segs[-1] == "In total eighteen shapes were red."
