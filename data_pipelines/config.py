@@ -32,10 +32,12 @@ class MediaConfig:
     video_max_frames: int = 8
     mean: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)  # CLIP statistics
     std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
-    max_image_pixels: int = 40_000_000  # decoded-size limit (decompression bombs); larger -> skipped
+    max_image_pixels: int = 40_000_000  # per image or video frame, from its headers (bombs); more: skipped
+    max_source_frames: int = 100_000  # frames of a video, from its headers (decode time); more: skipped
 
     def __post_init__(self):
-        for name in ("patch_size", "temporal_patch", "merge", "video_min_frames", "max_image_pixels"):
+        for name in ("patch_size", "temporal_patch", "merge", "video_min_frames", "max_image_pixels",
+                     "max_source_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
         factor = self.patch_size * self.merge
@@ -73,10 +75,18 @@ class DataConfig:
     num_workers: int = 2  # loader processes per rank; 0 = in the main process
     prefetch_factor: int = 2  # batches each worker keeps ready
     shuffle_buffer: int = 256  # train samples per source kept for shuffling (0: stream order)
+    shuffle_buffer_bytes: int = 128 << 20  # ... and at most this many raw bytes (per source and worker)
     resample: bool = False  # train: draw shards with replacement forever (else epochs of split shards)
     pack_lookahead: int = 16  # documents the packer may look ahead to fill a row
     max_failure_rate: float = 0.1  # skipped / read samples above this (per worker) aborts the run
     min_samples_for_failure_rate: int = 200  # the rate is judged only after this many samples
+    max_member_bytes: int = 256 << 20  # a larger tar member is left unread, its sample skipped (too_large)
+    max_text_bytes: int = 8 << 20  # the same for txt/json members (a text costs ~45 bytes a token)
+    max_media_per_doc: int = 32  # an interleaved document is cut before its next medium past this
+    shard_retries: int = 3  # extra tries of a failing pipe:/remote shard (resuming after its last sample)
+    retry_backoff_s: float = 1.0  # wait before retry i: retry_backoff_s * 2**(i-1)
+    stall_timeout_s: float = 300.0  # a pipe:/remote shard sending nothing this long has failed
+    allow_changed_shards: bool = False  # resume with another shard list or mixture: warn instead of error
     seed: int = 0
     media: MediaConfig = field(default_factory=MediaConfig)
 
@@ -86,7 +96,13 @@ class DataConfig:
                 raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
         if self.seq_len < 8:
             raise ValueError(f"seq_len: must be >= 8 (got {self.seq_len})")
-        for name in ("num_workers", "shuffle_buffer", "min_samples_for_failure_rate"):
+        for name in ("max_member_bytes", "max_text_bytes", "max_media_per_doc", "shuffle_buffer_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        if not (self.retry_backoff_s >= 0 and self.stall_timeout_s > 0):
+            raise ValueError(f"retry_backoff_s/stall_timeout_s: must be >= 0 / > 0 (got "
+                             f"{self.retry_backoff_s}, {self.stall_timeout_s})")
+        for name in ("num_workers", "shuffle_buffer", "min_samples_for_failure_rate", "shard_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
         if not 0 <= self.max_failure_rate <= 1:

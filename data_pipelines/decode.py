@@ -10,6 +10,7 @@ import io
 import json
 import math
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -41,6 +42,8 @@ def decode_json(data: bytes):
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise SkipSample(L.BAD_JSON, str(e).splitlines()[0]) from None
+    except RecursionError:  # json's C parser guards its recursion: a hostile nesting depth lands here
+        raise SkipSample(L.BAD_JSON, "nested too deeply") from None
 
 
 # ----- images ---------------------------------------------------------------------------------
@@ -94,7 +97,11 @@ def decode_image(data: bytes, media: MediaConfig) -> np.ndarray:
     try:
         _draft(im, media)
         im = ImageOps.exif_transpose(im)
-        return np.array(to_rgb(im))  # a writable copy, detached from Pillow's buffer
+        rgb = to_rgb(im)
+        fy, fx = _reduction(*rgb.shape[:2], media)
+        if fy > 1 or fx > 1:  # held at most at twice the largest resize target per side
+            rgb = Image.fromarray(rgb).reduce((fx, fy))
+        return np.array(rgb)  # a writable copy, detached from Pillow's buffer
     except SkipSample:
         raise
     except Exception as e:  # truncated data surfaces on load: OSError, SyntaxError, ValueError...
@@ -115,10 +122,43 @@ def sample_frame_indices(n_frames: int, fps: float, media: MediaConfig) -> list[
     return idx + [idx[-1]] * pad
 
 
-def _decode_decord(data: bytes, media: MediaConfig) -> np.ndarray:
+class _Probe(NamedTuple):
+    frames: int  # 0 when the container does not say (then packets are counted)
+    fps: float
+    h: int
+    w: int
+
+
+def _probe(data: bytes) -> _Probe:
+    """Frame count, rate and size from the container headers (packets counted, nothing decoded)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        if not container.streams.video:
+            raise SkipSample(L.CORRUPT_VIDEO, "no video stream")
+        stream = container.streams.video[0]
+        h, w = stream.codec_context.height, stream.codec_context.width
+        n = stream.frames or sum(1 for p in container.demux(stream) if p.size)
+        return _Probe(n, float(stream.average_rate or 0), h, w)
+
+
+def _reduction(h: int, w: int, media: MediaConfig) -> tuple[int, int]:
+    """Integer (y, x) factors that keep a decoded frame at least twice the largest resize target
+    per side (Pillow's reducing_gap rule): a 4K frame is never held at 4K."""
+    H, W = plan_size(h, w, media)
+    return max(1, h // (2 * H)), max(1, w // (2 * W))
+
+
+def _decode_size(h: int, w: int, media: MediaConfig) -> tuple[int, int] | None:
+    fy, fx = _reduction(h, w, media)
+    return None if fy == fx == 1 else (max(2, h // fy // 2 * 2), max(2, w // fx // 2 * 2))
+
+
+def _decode_decord(data: bytes, media: MediaConfig, size: tuple[int, int] | None) -> np.ndarray:
     import decord
 
-    vr = decord.VideoReader(io.BytesIO(data), num_threads=1)
+    h, w = size or (-1, -1)
+    vr = decord.VideoReader(io.BytesIO(data), num_threads=1, width=w, height=h)
     if len(vr) == 0:
         raise SkipSample(L.CORRUPT_VIDEO, "no frames")
     idx = sample_frame_indices(len(vr), vr.get_avg_fps(), media)
@@ -130,38 +170,57 @@ def _decode_decord(data: bytes, media: MediaConfig) -> np.ndarray:
     return frames[[where[i] for i in idx]]
 
 
-def _decode_pyav(data: bytes, media: MediaConfig) -> np.ndarray:
-    """Fallback for streams decord mis-sizes (it fails on some frame widths)."""
+def _decode_pyav(data: bytes, media: MediaConfig, probe: _Probe, size: tuple[int, int] | None) -> np.ndarray:
+    """Fallback for streams decord mis-sizes (it fails on some frame widths): frame by frame,
+    converting only the sampled frames (at the decode size), stopping after the last one."""
     import av
 
+    idx = sample_frame_indices(max(probe.frames, 1), probe.fps, media)
+    wanted, kept = set(idx), {}
+    h, w = size or (probe.h, probe.w)
     with av.open(io.BytesIO(data)) as container:
-        stream = container.streams.video[0]
-        fps = float(stream.average_rate or 0)
-        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
-    if not frames:
+        for i, frame in enumerate(container.decode(container.streams.video[0])):
+            if i in wanted:
+                kept[i] = frame.to_ndarray(format="rgb24", width=w, height=h)
+            if i >= idx[-1]:
+                break
+    if not kept:
         raise SkipSample(L.CORRUPT_VIDEO, "no frames")
-    idx = sample_frame_indices(len(frames), fps, media)
-    return np.stack([frames[i] for i in idx])
+    # the header promised frames the stream lacks: those indices take the last frame decoded
+    got = sorted(kept)
+    return np.stack([kept[max((g for g in got if g <= i), default=got[0])] for i in idx])
 
 
 def decode_video(data: bytes, media: MediaConfig) -> np.ndarray:
-    """Bytes -> uint8 (T, H, W, 3), T a multiple of temporal_patch."""
+    """Bytes -> uint8 (T, H, W, 3), T a multiple of temporal_patch. Size and frame caps come from
+    the headers, before anything is decoded; at most the sampled frames are held, each at most
+    twice the largest resize target per side."""
     if not data:
         raise SkipSample(L.CORRUPT_VIDEO, "empty member")
     if b"\0" not in data[:4096]:  # text, not a container (and decord would echo it all to stderr)
         raise SkipSample(L.CORRUPT_VIDEO, "not a video container")
     try:
-        frames_THW3 = _decode_decord(data, media)
+        probe = _probe(data)
+    except SkipSample:
+        raise
+    except Exception as e:
+        raise SkipSample(L.CORRUPT_VIDEO, f"{type(e).__name__}: {str(e)[:200]}") from None
+    if probe.h < 1 or probe.w < 1:
+        raise SkipSample(L.CORRUPT_VIDEO, f"size {probe.w}x{probe.h}")
+    if probe.h * probe.w > media.max_image_pixels:
+        raise SkipSample(L.TOO_LARGE, f"frames {probe.w}x{probe.h} > max_image_pixels "
+                                      f"{media.max_image_pixels}")
+    if probe.frames > media.max_source_frames:
+        raise SkipSample(L.TOO_LARGE, f"{probe.frames} frames > max_source_frames {media.max_source_frames}")
+    size = _decode_size(probe.h, probe.w, media)
+    try:
+        return _decode_decord(data, media, size)
     except SkipSample:
         raise
     except Exception as first:
         try:
-            frames_THW3 = _decode_pyav(data, media)
+            return _decode_pyav(data, media, probe, size)
         except SkipSample:
             raise
         except Exception:
             raise SkipSample(L.CORRUPT_VIDEO, f"{type(first).__name__}: {str(first)[:200]}") from None
-    T, H, W, _ = frames_THW3.shape
-    if media.max_image_pixels < H * W:
-        raise SkipSample(L.TOO_LARGE, f"frames {W}x{H} > max_image_pixels {media.max_image_pixels}")
-    return frames_THW3

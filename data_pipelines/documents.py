@@ -17,6 +17,7 @@ Legend: L = tokens of one document.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,7 +83,8 @@ def _segments_of(meta) -> list[tuple[str, object]]:
             d = seg if isinstance(seg, dict) else {}
             kinds = [k for k in ("text", "image", "video") if d.get(k) is not None]
             if len(kinds) != 1:
-                raise SkipSample(L.BAD_JSON, f"segment needs one of text/image/video: {str(seg)[:80]}")
+                raise SkipSample(L.BAD_JSON, f"segment needs one of text/image/video: {type(seg).__name__} "
+                                             f"with {sorted(map(str, d))[:4]}")
             pairs.append((kinds[0], seg[kinds[0]]))
         return pairs
     texts, images = (meta.get("texts"), meta.get("images")) if isinstance(meta, dict) else (None, None)
@@ -94,15 +96,20 @@ def _segments_of(meta) -> list[tuple[str, object]]:
     raise SkipSample(L.BAD_JSON, "json has neither 'segments' nor 'texts'/'images'")
 
 
-def _interleaved(raw: RawSample, meta, media: MediaConfig) -> list:
+def _interleaved(raw: RawSample, meta, media: MediaConfig, max_media: int) -> list:
     out: list = []
+    n_media = 0
     for typ, value in _segments_of(meta):
         if typ == "text":
             if not isinstance(value, str):
                 raise SkipSample(L.BAD_JSON, f"text segment is {type(value).__name__}")
             if value.strip():
                 out.append(value)
-        elif typ == "image":
+            continue
+        if n_media == max_media:  # cut before decoding more: the budget would cut here anyway
+            break
+        n_media += 1
+        if typ == "image":
             out.append(Decoded(IMAGE, decode_image(_member(raw, value), media)[None]))
         else:
             out.append(Decoded(VIDEO, decode_video(_member(raw, value), media)))
@@ -113,8 +120,19 @@ def _interleaved(raw: RawSample, meta, media: MediaConfig) -> list:
     return out
 
 
-def parse_sample(raw: RawSample, media: MediaConfig) -> tuple[str, list]:
+def _check_sizes(raw: RawSample, max_text_bytes: int) -> None:
+    if raw.too_large:
+        raise SkipSample(L.TOO_LARGE, raw.too_large)
+    for ext in ("txt", "json"):
+        if len(raw.members.get(ext, b"")) > max_text_bytes:
+            raise SkipSample(L.TOO_LARGE, f"{ext} has {len(raw.members[ext])} bytes > "
+                                          f"max_text_bytes {max_text_bytes}")
+
+
+def parse_sample(raw: RawSample, media: MediaConfig, max_text_bytes: int = DataConfig.max_text_bytes,
+                 max_media: int = DataConfig.max_media_per_doc) -> tuple[str, list]:
     """-> (kind, segments); a segment is a str or a Decoded medium. Raises SkipSample."""
+    _check_sizes(raw, max_text_bytes)
     m = raw.members
     image_ext, video_ext = _first(m, IMAGE_EXTS), _first(m, VIDEO_EXTS)
     if video_ext or image_ext:
@@ -128,7 +146,7 @@ def parse_sample(raw: RawSample, media: MediaConfig) -> tuple[str, list]:
         meta = decode_json(m["json"])
         is_doc = isinstance(meta, dict) and ("segments" in meta or "texts" in meta)
         if is_doc or "txt" not in m:
-            return "interleaved", _interleaved(raw, meta, media)
+            return "interleaved", _interleaved(raw, meta, media, max_media)
     if "txt" in m:
         return "text", [decode_text(m["txt"])]
     raise SkipSample(L.UNKNOWN_KIND, f"members {sorted(m)[:6]}")
@@ -250,18 +268,31 @@ def _task(segments: list) -> int:
     return TASK_VIDEO_TEXT if VIDEO in kinds else TASK_IMAGE_TEXT if IMAGE in kinds else TASK_TEXT
 
 
-def text_documents(text: str, tok: Tokenizer, seq_len: int) -> list[Document]:
-    s = tok.special
-    ids = [s.bos, *encode(tok, text), s.eos]
-    docs = []
-    for start in range(0, len(ids), seq_len):
+class TextChunks(Sequence):
+    """The documents of one text, `seq_len` tokens each, built when asked for: a long text holds
+    4 bytes a token here instead of ~45 in finished documents."""
+
+    def __init__(self, ids_L: np.ndarray, seq_len: int):
+        self.ids_L, self.seq_len = ids_L, seq_len
+
+    def __len__(self) -> int:
+        return -(-len(self.ids_L) // self.seq_len)
+
+    def __getitem__(self, i: int) -> Document:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"chunk {i} of {len(self)}")
+        i %= len(self)
         b = _Builder()
-        b.text(ids[start : start + seq_len])  # bos is only ever first: never a target
-        docs.append(_document(b, TASK_TEXT, "text", []))
-    return docs
+        b.text(self.ids_L[i * self.seq_len : (i + 1) * self.seq_len].tolist())  # bos is only ever first
+        return _document(b, TASK_TEXT, "text", [])
 
 
-def build_documents(kind: str, segments: list, tok: Tokenizer, cfg: DataConfig) -> list[Document]:
+def text_documents(text: str, tok: Tokenizer, seq_len: int) -> TextChunks:
+    s = tok.special
+    return TextChunks(np.asarray([s.bos, *encode(tok, text), s.eos], np.int32), seq_len)
+
+
+def build_documents(kind: str, segments: list, tok: Tokenizer, cfg: DataConfig) -> Sequence[Document]:
     """Segments -> one Document (or several text chunks). Raises SkipSample(too_long)."""
     if kind == "text":
         return text_documents(segments[0], tok, cfg.seq_len)
@@ -285,7 +316,7 @@ def build_documents(kind: str, segments: list, tok: Tokenizer, cfg: DataConfig) 
     return [_document(b, _task(kept), kind, media)]
 
 
-def make_documents(raw: RawSample, tok: Tokenizer, cfg: DataConfig) -> tuple[str, list[Document]]:
+def make_documents(raw: RawSample, tok: Tokenizer, cfg: DataConfig) -> tuple[str, Sequence[Document]]:
     """The whole per-sample path: decode, preprocess, tokenize. Deterministic; raises SkipSample."""
-    kind, segments = parse_sample(raw, cfg.media)
+    kind, segments = parse_sample(raw, cfg.media, cfg.max_text_bytes, cfg.max_media_per_doc)
     return kind, build_documents(kind, segments, tok, cfg)

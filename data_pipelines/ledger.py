@@ -19,14 +19,17 @@ BAD_TEXT = "bad_text"  # not UTF-8
 EMPTY_TEXT = "empty_text"  # nothing left to learn from after stripping
 UNKNOWN_KIND = "unknown_kind"  # no member the pipeline knows how to read
 TOO_LONG = "too_long"  # does not fit in seq_len even after the budget policy (see documents.py)
-TRUNCATED_TAR = "truncated_tar"  # the rest of a shard is unreadable
+TRUNCATED_TAR = "truncated_tar"  # the archive ends early (inside a member, or at a boundary without
+#                                  its end block): the partial last sample and the rest are lost
+BAD_SHARD = "bad_shard"  # not a tar archive, or a garbage header inside one
 EMPTY_SHARD = "empty_shard"  # a shard without a single sample
-OPEN_FAILED = "open_failed"  # the shard vanished or its pipe command failed
+OPEN_FAILED = "open_failed"  # the shard cannot be opened or read: missing file, or a pipe/remote
+#                              command that failed (exit status, stall) after its retries
 UNEXPECTED = "unexpected_error"  # any other exception while making the sample (also warned about)
 
 REASONS = (
     CORRUPT_IMAGE, TOO_LARGE, CORRUPT_VIDEO, MISSING_MEMBER, BAD_JSON, BAD_TEXT, EMPTY_TEXT,
-    UNKNOWN_KIND, TOO_LONG, TRUNCATED_TAR, EMPTY_SHARD, OPEN_FAILED, UNEXPECTED,
+    UNKNOWN_KIND, TOO_LONG, TRUNCATED_TAR, BAD_SHARD, EMPTY_SHARD, OPEN_FAILED, UNEXPECTED,
 )
 
 

@@ -26,8 +26,8 @@ from data_pipelines.errors import DataError
 from data_pipelines.ledger import Ledger
 from data_pipelines.mixing import Mixer
 from data_pipelines.packing import Packer, assemble
-from data_pipelines.rng import CounterRng
-from data_pipelines.shards import ShardPlan, expand_shards
+from data_pipelines.rng import CounterRng, hash64
+from data_pipelines.shards import ReadOptions, ShardPlan, expand_shards
 from data_pipelines.stream import SourceStream, fetch
 from data_pipelines.tokenizer import Tokenizer
 
@@ -88,7 +88,8 @@ class WorkerPipeline:
         self.streams = []
         for i, src in enumerate(sources):
             plan = ShardPlan(src.urls, src.name, cfg.seed, rank, world_size, worker, num_workers,
-                             shuffle=train, resample=train and cfg.resample, epochs=None if train else 1)
+                             shuffle=train, resample=train and cfg.resample, epochs=None if train else 1,
+                             read=read_options(cfg))
             stream = SourceStream(i, plan, tok, cfg, cfg.shuffle_buffer if train else 0, self._ledger)
             if start is not None:
                 stream.reader.cursor = tuple(start[i])
@@ -212,12 +213,16 @@ class Loader:
 
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, **self._layout(), "next_worker": self._next,
-                "workers": list(self._states), "ledger": self.ledger.state_dict()}
+                "workers": list(self._states), "ledger": self.ledger.state_dict(),
+                "fingerprint": fingerprint(self.cfg, self.sources)}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             raise DataError(f"data state version {state.get('version')} is not {STATE_VERSION}")
         self.ledger.load_state_dict(state["ledger"])
+        if self._changed_shards(state.get("fingerprint")):
+            self._reset(start=_next_epoch_cursors(state, self.sources, self.cfg.resample))
+            return
         saved = {k: state[k] for k in self._layout()}
         if saved != self._layout():
             self._reset(start=_next_epoch_cursors(state, self.sources, self.cfg.resample))
@@ -228,8 +233,45 @@ class Loader:
         self._next = state["next_worker"]
         self._start = None
 
+    def _changed_shards(self, saved: dict | None) -> bool:
+        """Compare what the saved state was built from with this loader: a changed shard list is an
+        error (or, with allow_changed_shards, a warning and a restart at each source's next epoch);
+        changed weights or seed are a warning. -> whether the saved positions are meaningless."""
+        now = fingerprint(self.cfg, self.sources)
+        if saved is None or saved == now:
+            return False
+        shards = [n for n in sorted(set(saved["shards"]) | set(now["shards"]))
+                  if saved["shards"].get(n) != now["shards"].get(n)]
+        mixing = "" if saved["mixing"] == now["mixing"] else f"mixing {saved['mixing']} -> {now['mixing']}"
+        what = "; ".join(filter(None, [
+            shards and f"shard list of source(s) {', '.join(map(repr, shards))} "
+                       f"({', '.join(_count_change(saved, now, n) for n in shards)})", mixing]))
+        if shards and not self.cfg.allow_changed_shards:
+            raise DataError(f"data.{self.split} changed since the checkpoint: {what}; set "
+                            "data.allow_changed_shards: true to resume anyway (each source restarts at "
+                            "its next epoch)")
+        warnings.warn(f"data.{self.split} changed since the checkpoint: {what}" +
+                      ("; every source restarts at its next epoch" if shards else ""), stacklevel=3)
+        return bool(shards)
+
     def stats(self) -> dict:
         return summarize(self.sources, [s for s in self._states if s is not None])
+
+
+def read_options(cfg: DataConfig) -> ReadOptions:
+    return ReadOptions(cfg.max_member_bytes, cfg.shard_retries, cfg.retry_backoff_s, cfg.stall_timeout_s)
+
+
+def fingerprint(cfg: DataConfig, sources: list[_Source]) -> dict:
+    """What the loader's batches are a function of: a digest of each source's shard list (sizes
+    are not read: start-up stays free of per-shard I/O) and the mixing config."""
+    return {"shards": {s.name: [len(s.urls), hash64(*s.urls)] for s in sources},
+            "mixing": {"seed": cfg.seed, "weights": {s.name: s.weight for s in sources}}}
+
+
+def _count_change(saved: dict, now: dict, name: str) -> str:
+    a, b = saved["shards"].get(name), now["shards"].get(name)
+    return f"{name}: {a[0] if a else 'absent'} -> {b[0] if b else 'absent'} shards"
 
 
 def _next_epoch_cursors(state: dict, sources: list[_Source], resample: bool) -> list | None:

@@ -9,17 +9,19 @@ the loader checkpoints and re-reads on resume.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import re
 import tarfile
+import time
+import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from data_pipelines import ledger as L
 from data_pipelines.errors import DataError
+from data_pipelines.remote import PipeStream, is_remote, open_url
 from data_pipelines.rng import CounterRng
 
 try:
@@ -27,6 +29,7 @@ try:
 except ImportError:  # webdataset depends on it; keep a tiny fallback anyway
     braceexpand = None
 
+_TAR_EXTS = (".tar", ".tar.gz", ".tgz")
 _MEMBER = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
 
@@ -34,6 +37,7 @@ class RawSample(NamedTuple):
     key: str
     members: dict[str, bytes]  # ext -> bytes
     index: int  # the sample's place in its shard (counting every sample, owned or not)
+    too_large: str = ""  # why a member was left unread (over max_member_bytes): the sample is skipped
 
 
 # ----- spec expansion -------------------------------------------------------------------------
@@ -51,8 +55,13 @@ def _braces(spec: str) -> list[str]:
 def expand_spec(spec: str) -> list[str]:
     """One spec -> shard URLs. Brace ranges, globs, directories (their *.tar), `pipe:`/URLs as-is."""
     out: list[str] = []
-    for s in _braces(spec):
+    names = _braces(spec)
+    for i, s in enumerate(names):
         if s.startswith("pipe:") or "://" in s:
+            out.append(s)
+        elif 0 < i < len(names) - 1 and s.endswith(_TAR_EXTS) and not glob.has_magic(s):
+            # inside a brace range only the ends are checked: stat-ing 100k paths on every rank
+            # is slow on network file systems; a hole is found when read (counted open_failed)
             out.append(s)
         elif glob.has_magic(s):
             out.extend(sorted(p for p in glob.glob(s) if os.path.isfile(p)))
@@ -95,6 +104,8 @@ class ShardPlan:
     shuffle: bool = True
     resample: bool = False
     epochs: int | None = None  # None: forever
+    read: ReadOptions = field(default_factory=lambda: ReadOptions())
+    _order: tuple = field(default=(None, None), init=False, repr=False, compare=False)
 
     @property
     def groups(self) -> int:
@@ -109,12 +120,16 @@ class ShardPlan:
         return not self.resample and len(self.urls) < self.groups
 
     def _my_shards(self, epoch: int) -> list[int]:
-        n = len(self.urls)
-        rng = CounterRng(self.seed, self.source, "shards", epoch)
-        order = rng.permutation(n) if self.shuffle else list(range(n))
-        if self.split_samples:
-            return order
-        return order[self.rank :: self.world_size][self.worker :: self.num_workers]
+        """This worker's shard order in `epoch`, computed once per epoch (a permutation of 100k
+        shards takes ~0.1 s: not something to redo at every shard)."""
+        if self._order[0] != epoch:
+            n = len(self.urls)
+            order = CounterRng(self.seed, self.source, "shards", epoch).permutation(n) if self.shuffle \
+                else list(range(n))
+            if not self.split_samples:
+                order = order[self.rank :: self.world_size][self.worker :: self.num_workers]
+            self._order = (epoch, order)
+        return self._order[1]
 
     def shard_at(self, epoch: int, ord: int) -> str | None:
         """URL of this worker's `ord`-th shard in `epoch`; None past the epoch's (or stream's) end."""
@@ -135,17 +150,43 @@ class ShardPlan:
 
 
 # ----- tar reading ----------------------------------------------------------------------------
-def _open(url: str):
-    if url.startswith("pipe:") or "://" in url:
-        from webdataset.gopen import gopen
+@dataclass(frozen=True)
+class ReadOptions:
+    """How shards are read: a cap on member bytes, retries of remote/pipe shards, stall timeout."""
 
-        return gopen(url, "rb")
-    return open(url, "rb")
+    max_member_bytes: int = 1 << 28
+    retries: int = 3  # extra tries of a `pipe:`/remote shard that fails (resuming after the last sample)
+    backoff_s: float = 1.0  # wait before retry i: backoff_s * 2**(i-1)
+    stall_timeout_s: float = 300.0  # a command that sends nothing for this long has failed
 
 
-def _close(stream) -> None:
-    with contextlib.suppress(Exception):  # a pipe we stopped reading early exits non-zero: nothing lost
-        stream.close()
+class _Info(tarfile.TarInfo):
+    """Notes how an archive ended: tarfile stops iterating *silently* when the data ends at a
+    header boundary, inside a header, or at a garbage header; only a zero block is a real end."""
+
+    @classmethod
+    def fromtarfile(cls, tar):
+        try:
+            return super().fromtarfile(tar)
+        except (tarfile.EmptyHeaderError, tarfile.TruncatedHeaderError):
+            tar.ended = L.TRUNCATED_TAR
+            raise
+        except tarfile.EOFHeaderError:
+            raise
+        except tarfile.InvalidHeaderError:
+            tar.ended = L.BAD_SHARD
+            raise
+
+
+@dataclass
+class _Outcome:
+    """What one attempt at reading a shard found."""
+
+    next_index: int = 0  # past the last sample yielded: a retry starts here
+    total: int = 0  # samples the archive held
+    complete: bool = False  # the data ended (well or not), not the consumer: judge the exit status
+    problem: tuple[str, str] | None = None  # (reason, key): the archive is cut or corrupt
+    error: str | None = None  # the file or command failed (a retry may help if remote)
 
 
 def iter_shard(
@@ -154,35 +195,69 @@ def iter_shard(
     keep: Callable[[int], bool] | None = None,
     on_error: Callable[[str, str], None] | None = None,
     stop: int | None = None,
+    opts: ReadOptions = ReadOptions(),
 ) -> Iterator[RawSample]:
     """Samples of one shard with index >= start (and < stop) for which keep(index) holds.
 
-    Members of other samples are skipped without reading their data. Problems are reported as
-    on_error(reason, key) and end the shard: an unreadable shard, a truncated tar (the partial
-    last sample is dropped), a shard without samples.
+    Members of other samples are skipped without reading their data. Problems are reported once
+    as on_error(reason, key): an archive cut short (at any byte, the partial last sample dropped),
+    a corrupt archive, a shard without samples, a shard that cannot be read. A `pipe:`/remote
+    shard whose command fails (exit status, stall) is retried with backoff, resuming after the
+    last sample it gave, so no sample is delivered twice.
     """
     report = on_error or (lambda reason, key: None)
+    tries = opts.retries + 1 if is_remote(url) else 1
+    for attempt in range(tries):
+        if attempt:
+            time.sleep(opts.backoff_s * 2 ** (attempt - 1))
+        out = _Outcome(next_index=start)
+        yield from _attempt(url, start, keep, stop, opts, out)
+        if out.error is None:
+            if out.problem is not None:
+                report(*out.problem)
+            elif out.total == 0 and out.complete:
+                report(L.EMPTY_SHARD, "")
+            return
+        start = out.next_index
+    warnings.warn(f"shard {url}: {out.error}" + (f" ({tries} tries)" if tries > 1 else ""), stacklevel=2)
+    report(L.OPEN_FAILED, "")
+
+
+def _attempt(url, start, keep, stop, opts: ReadOptions, out: _Outcome) -> Iterator[RawSample]:
     try:
-        stream = _open(url)
-    except Exception:
-        report(L.OPEN_FAILED, "")
+        stream = open_url(url, opts.stall_timeout_s)
+    except OSError as e:
+        out.error = f"{type(e).__name__}: {e}"
         return
     try:
-        n = yield from _read_tar(stream, start, keep, report, stop)
-        if n == 0:
-            report(L.EMPTY_SHARD, "")
-    finally:
-        _close(stream)
+        yield from _read_tar(stream, start, keep, stop, opts, out)
+    except OSError as e:  # the file or the command's stream failed (not the archive's format)
+        out.error = f"{type(e).__name__}: {e}"
+    finally:  # also when the consumer stops early: then the command is stopped, not judged
+        failed = _finish(stream, out.complete and out.error is None)
+        out.error = out.error or failed
 
 
-def _read_tar(stream, start, keep, report, stop) -> Iterator[RawSample]:
-    """Yields wanted samples; returns how many samples the tar held (0 if it held none)."""
-    key, index, members = None, -1, None
+def _finish(stream, read_all: bool) -> str | None:
+    if isinstance(stream, PipeStream):
+        return stream.finish(read_all)
     try:
-        tar = tarfile.open(fileobj=stream, mode="r|*")  # noqa: SIM115 (a generator owns it)
+        stream.close()  # webdataset's pipes raise their exit status here
+    except Exception as e:
+        return f"{type(e).__name__}: {e}" if read_all else None
+    return None
+
+
+def _read_tar(stream, start, keep, stop, opts: ReadOptions, out: _Outcome) -> Iterator[RawSample]:
+    key, index, members, bad = None, -1, None, ""
+    try:
+        tar = tarfile.open(fileobj=stream, mode="r|*", tarinfo=_Info)  # noqa: SIM115 (a generator owns it)
     except tarfile.ReadError as e:
-        report(L.EMPTY_SHARD if "empty" in str(e) else L.TRUNCATED_TAR, "")
-        return -1
+        out.complete = True
+        msg = str(e)
+        reason = L.TRUNCATED_TAR if "truncated" in msg else L.BAD_SHARD
+        out.problem = None if "empty file" in msg else (reason, "")
+        return
     try:
         for info in tar:
             m = _MEMBER.match(info.name)
@@ -190,18 +265,28 @@ def _read_tar(stream, start, keep, report, stop) -> Iterator[RawSample]:
                 continue
             if m.group(1) != key:
                 if members is not None:
-                    yield RawSample(key, members, index)
-                key, index = m.group(1), index + 1
+                    yield RawSample(key, members, index, bad)
+                    out.next_index = index + 1
+                key, index, bad = m.group(1), index + 1, ""
+                out.total = index + 1
                 if stop is not None and index >= stop:
-                    return index
-                wanted = index >= start and (keep is None or keep(index))
-                members = {} if wanted else None
+                    return
+                members = {} if index >= start and (keep is None or keep(index)) else None
             if members is not None:
-                members[m.group(2).lower()] = tar.extractfile(info).read()
+                if info.size > opts.max_member_bytes:  # skipped unread: the sample is counted too_large
+                    bad = f"{m.group(2)} has {info.size} bytes > max_member_bytes {opts.max_member_bytes}"
+                else:
+                    members[m.group(2).lower()] = tar.extractfile(info).read()
             tar.members = []  # stream mode keeps every TarInfo otherwise
-    except (tarfile.TarError, EOFError, OSError, ValueError):
-        report(L.TRUNCATED_TAR, key or "")
-        return max(index + 1, 1)
+    except (tarfile.TarError, EOFError, ValueError):
+        out.problem, out.complete = (L.TRUNCATED_TAR, key or ""), True
+        return
+    ended = getattr(tar, "ended", None)
+    if ended is not None:  # cut at a member boundary or a garbage header: the last sample may be partial
+        out.problem = (ended, key or "")
+        out.complete = True
+        return
     if members is not None:
-        yield RawSample(key, members, index)
-    return index + 1
+        yield RawSample(key, members, index, bad)
+        out.next_index = index + 1
+    out.complete = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from data_pipelines import ledger as L
 from data_pipelines.config import DataConfig
@@ -43,7 +43,8 @@ class Reader:
             self.cursor = (epoch + 1, 0, 0)
             return self._open()
         on_error = (lambda reason, key: self.report(url, key, reason)) if self.plan.owns_shard(ord) else None
-        self._it = iter_shard(url, start=index, keep=lambda i: self.plan.owns(ord, i), on_error=on_error)
+        self._it = iter_shard(url, start=index, keep=lambda i: self.plan.owns(ord, i), on_error=on_error,
+                              opts=self.plan.read)
         self._url, self._got_any = url, False
         return True
 
@@ -72,26 +73,39 @@ class Reader:
             return (epoch, ord, sample.index), self._url, sample
 
 
-class Shuffler:
-    """Reservoir shuffle of raw (undecoded) samples; pass-through when size is 0."""
+def raw_bytes(item: Item) -> int:
+    return sum(len(v) for v in item[2].members.values())
 
-    def __init__(self, reader: Reader, size: int, rng: CounterRng, buffer: list[Item] | None = None):
-        self.reader, self.size, self.rng = reader, size, rng
-        self.buf: list[Item] = buffer or []
+
+class Shuffler:
+    """Reservoir shuffle of raw (undecoded) samples, bounded in samples and in bytes (it fills to
+    `size` samples or `max_bytes`, whichever comes first: a function of the data, so resume
+    replays it); pass-through when size is 0."""
+
+    def __init__(self, reader: Reader, size: int, rng: CounterRng, max_bytes: int = 1 << 62):
+        self.reader, self.size, self.rng, self.max_bytes = reader, size, rng, max_bytes
+        self.buf: list[Item] = []
+        self.bytes = 0
+
+    def set_buffer(self, buf: list[Item]) -> None:
+        self.buf, self.bytes = buf, sum(map(raw_bytes, buf))
 
     def next(self) -> Item | None:
         if self.size == 0:
             return self.reader.next()
-        while len(self.buf) < self.size:
+        while len(self.buf) < self.size and self.bytes < self.max_bytes:
             item = self.reader.next()
             if item is None:
                 break
             self.buf.append(item)
+            self.bytes += raw_bytes(item)
         if not self.buf:
             return None
         j = self.rng.randrange(len(self.buf))
         self.buf[j], self.buf[-1] = self.buf[-1], self.buf[j]
-        return self.buf.pop()
+        item = self.buf.pop()
+        self.bytes -= raw_bytes(item)
+        return item
 
 
 def fetch(plan: ShardPlan, positions: list[Pos]) -> dict[Pos, tuple[str, RawSample]]:
@@ -104,7 +118,7 @@ def fetch(plan: ShardPlan, positions: list[Pos]) -> dict[Pos, tuple[str, RawSamp
         url = plan.shard_at(epoch, ord)
         if url is None:
             break
-        for s in iter_shard(url, keep=indices.__contains__, stop=max(indices) + 1):
+        for s in iter_shard(url, keep=indices.__contains__, stop=max(indices) + 1, opts=plan.read):
             out[(epoch, ord, s.index)] = (url, s)
     missing = [p for p in positions if tuple(p) not in out]
     if missing:
@@ -126,8 +140,8 @@ class SourceStream:
         self.index, self.plan, self.tok, self.cfg, self.report_ledger = index, plan, tok, cfg, report
         self.reader = Reader(plan, self._report)
         rng = CounterRng(cfg.seed, plan.source, "shuffle", plan.rank, plan.worker)
-        self.shuffler = Shuffler(self.reader, shuffle, rng)
-        self.chunks: list[Document] = []  # the rest of a long text, one document per chunk
+        self.shuffler = Shuffler(self.reader, shuffle, rng, cfg.shuffle_buffer_bytes)
+        self.pending: tuple[Pos, Sequence[Document], int] | None = None  # a long text: the next chunk
         self.stats = new_stats()
         self._skips_in_a_row = 0
 
@@ -150,20 +164,22 @@ class SourceStream:
                             f"max_failure_rate {self.cfg.max_failure_rate:.1%}); by reason: {top}; "
                             "see the ledger for shards and keys")
 
-    def _documents(self, pos: Pos, raw: RawSample) -> tuple[str, list[Document]]:
-        kind, docs = make_documents(raw, self.tok, self.cfg)
-        for i, d in enumerate(docs):
-            d.ident = (self.index, tuple(pos), i)
-        return kind, docs
+    def _chunk(self, pos: Pos, docs: Sequence[Document], i: int) -> Document:
+        """Chunk i of a sample's documents, marked with how to re-create it on resume."""
+        doc = docs[i]
+        doc.ident = (self.index, tuple(pos), i)
+        return doc
 
     def next_doc(self) -> Document | None:
         """The next document, or None when the source is exhausted (finite splits only)."""
-        if self.chunks:
-            return self._emit(self.chunks.pop(0))
+        if self.pending is not None:
+            pos, docs, i = self.pending
+            self.pending = (pos, docs, i + 1) if i + 1 < len(docs) else None
+            return self._emit(self._chunk(pos, docs, i))
         while (item := self.shuffler.next()) is not None:
             pos, url, raw = item
             try:
-                kind, docs = self._documents(pos, raw)
+                kind, docs = make_documents(raw, self.tok, self.cfg)
             except SkipSample as e:
                 self._report(url, raw.key, e.reason)
                 continue
@@ -176,8 +192,8 @@ class SourceStream:
             self.stats["kinds"][kind] += 1
             self._skips_in_a_row = 0
             self._check_failure_rate()
-            self.chunks = docs[1:]
-            return self._emit(docs[0])
+            self.pending = (pos, docs, 1) if len(docs) > 1 else None
+            return self._emit(self._chunk(pos, docs, 0))
         return None
 
     def _emit(self, doc: Document) -> Document:
@@ -196,7 +212,7 @@ class SourceStream:
             "cursor": list(self.reader.cursor),
             "buffer": [list(pos) for pos, _, _ in self.shuffler.buf],
             "rng": self.shuffler.rng.counter,
-            "chunks": [list(d.ident[1]) + [d.ident[2]] for d in self.chunks[:1]],
+            "chunks": [[*self.pending[0], self.pending[2]]] if self.pending else [],
             "stats": {k: dict(v) if isinstance(v, Counter) else v for k, v in self.stats.items()},
         }
 
@@ -208,11 +224,11 @@ class SourceStream:
         self.reader.cursor = tuple(state["cursor"])
         self.reader._it = None
         self.shuffler.rng.counter = state["rng"]
-        self.shuffler.buf = [(tuple(p), *raws[tuple(p)]) for p in state["buffer"]]
-        self.chunks = []
+        self.shuffler.set_buffer([(tuple(p), *raws[tuple(p)]) for p in state["buffer"]])
+        self.pending = None
         for *pos, chunk in state["chunks"]:
-            _, docs = self._documents(tuple(pos), raws[tuple(pos)][1])
-            self.chunks = docs[chunk:]
+            _, docs = make_documents(raws[tuple(pos)][1], self.tok, self.cfg)
+            self.pending = (tuple(pos), docs, chunk)
         st = state["stats"]
         self.stats = {k: Counter(v) if isinstance(v, dict) else v for k, v in st.items()}
 
@@ -220,7 +236,7 @@ class SourceStream:
         """Re-create a document the packer held when the state was saved."""
         _, pos, chunk = ident
         try:
-            return self._documents(tuple(pos), raws[tuple(pos)][1])[1][chunk]
+            return self._chunk(pos, make_documents(raws[tuple(pos)][1], self.tok, self.cfg)[1], chunk)
         except (SkipSample, IndexError) as e:
             raise DataError(f"source {self.plan.source!r}: cannot re-create sample {pos} on resume ({e}); "
                             "did the data or the data config change?") from None

@@ -6,7 +6,7 @@ import pytest
 from dp_shards import text_shards, write_raw_tar, write_tar
 
 from data_pipelines.errors import DataError
-from data_pipelines.shards import ShardPlan, expand_shards, expand_spec, iter_shard
+from data_pipelines.shards import ReadOptions, ShardPlan, expand_shards, expand_spec, iter_shard
 
 
 def _collect(url, **kw):
@@ -29,7 +29,7 @@ def test_spec_matching_nothing_names_it(tmp_path):
     text_shards(tmp_path, 2, 1)
     with pytest.raises(DataError, match="nope-\\*.tar"):
         expand_spec(str(tmp_path / "nope-*.tar"))
-    with pytest.raises(DataError, match="t-002.tar"):
+    with pytest.raises(DataError, match="t-005.tar"):  # a brace range: its ends are checked
         expand_spec(str(tmp_path / "t-{000..005}.tar"))
     with pytest.raises(DataError, match="no shard specs"):
         expand_shards([], "src")
@@ -105,3 +105,62 @@ def test_epochs_reshuffle_and_resample_is_deterministic():
     draws = [rs.shard_at(0, o) for o in range(200)]
     assert draws == [rs.shard_at(0, o) for o in range(200)] and len(set(draws)) > 10
     assert ShardPlan(urls, "s", epochs=1).shard_at(1, 0) is None
+
+
+# ----- failures: pipes, cuts, caps -------------------------------------------------------------
+FAST = ReadOptions(retries=2, backoff_s=0.0, stall_timeout_s=0.5)
+
+
+def test_a_failing_pipe_is_retried_from_its_next_sample_then_counted(tmp_path):
+    url = text_shards(tmp_path, 1, 6)[0]
+    flag = tmp_path / "tried"
+    # the first try sends part of the tar, then fails; the second sends all of it
+    flaky = f"pipe:if [ -e {flag} ]; then cat {url}; else touch {flag}; head -c 2600 {url}; exit 1; fi"
+    samples, errors = _collect(flaky, opts=FAST)
+    assert [s.index for s in samples] == list(range(6)) and errors == []
+    with pytest.warns(UserWarning, match=r"exit status 3: oops \(3 tries\)"):
+        samples, errors = _collect(f"pipe:cat {url}; echo oops >&2; exit 3", opts=FAST)
+    assert [s.index for s in samples] == list(range(6))  # every sample once, then the failure
+    assert errors == [("open_failed", "")]
+    with pytest.warns(UserWarning, match="stalled"):
+        assert _collect("pipe:sleep 20", opts=FAST) == ([], [("open_failed", "")])
+
+
+def test_a_pipe_stopped_early_is_not_a_failure(tmp_path):
+    url = text_shards(tmp_path, 1, 50)[0]
+    samples, errors = _collect(f"pipe:cat {url}; sleep 20", stop=3, opts=FAST)
+    assert len(samples) == 3 and errors == []
+
+
+def test_a_tar_cut_at_any_member_boundary_is_reported(tmp_path):
+    samples = [{"__key__": f"k{i}", "txt": f"t{i}", "json": {"i": i}} for i in range(3)]
+    url = write_tar(tmp_path / "full.tar", samples)
+    with tarfile.open(url) as tar:
+        ends = [m.offset_data + -(-m.size // 512) * 512 for m in tar]
+    data = Path(url).read_bytes()
+    for n, end in enumerate(ends):  # after member n: its sample may be partial, so it is dropped
+        cut = tmp_path / f"cut{n}.tar"
+        cut.write_bytes(data[:end])
+        got, errors = _collect(str(cut))
+        assert [s.key for s in got] == [f"k{i}" for i in range(n // 2)]
+        assert errors == [("truncated_tar", f"k{n // 2}")]
+    (tmp_path / "junk.tar").write_bytes(b"not a tar" * 200)
+    assert _collect(str(tmp_path / "junk.tar")) == ([], [("bad_shard", "")])
+
+
+def test_members_over_the_cap_are_left_unread(tmp_path):
+    samples = [{"__key__": "big", "txt": "x" * 5000}, {"__key__": "ok", "txt": "y"}]
+    got, errors = _collect(write_tar(tmp_path / "a.tar", samples), opts=ReadOptions(max_member_bytes=1000))
+    assert [(s.key, s.members, bool(s.too_large)) for s in got] == [("big", {}, True),
+                                                                    ("ok", {"txt": b"y"}, False)]
+    assert errors == []
+
+
+def test_shard_order_is_computed_once_per_epoch(monkeypatch):
+    import data_pipelines.shards as shards
+
+    calls = []
+    real = shards.CounterRng.permutation
+    monkeypatch.setattr(shards.CounterRng, "permutation", lambda self, n: calls.append(n) or real(self, n))
+    plan = ShardPlan([f"s{i}.tar" for i in range(1000)], "s", num_workers=2)
+    assert len({plan.shard_at(0, o) for o in range(500)}) == 500 and calls == [1000]
