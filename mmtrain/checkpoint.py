@@ -8,10 +8,13 @@ Layout of `RUN/step_<N>/` (see docs/DISTRIBUTED.md):
     rank_<r>.pt     rank r: its data-loader state (with its corrupt-sample ledger), its RNG states
     config.yaml     the resolved run config
     tokenizer.json  a copy, so a checkpoint is usable without the corpus
+    manifest.json   size and SHA-256 of every file above, written last (mmtrain/manifest.py)
 
 Every rank writes into the hidden `RUN/.step_<N>.tmp/`; after a barrier rank 0 renames it to
 `step_<N>` (a re-save of the same step swaps through `.step_<N>.old`). A crash at any point
-leaves the previous checkpoint as the newest complete one. Only the last K are kept.
+leaves the previous checkpoint as the newest complete one; resume takes the newest one that
+verifies against its manifest (`newest_valid`). Only the last K are kept. Every `torch.load`
+is `weights_only=True`: the files hold tensors and plain Python data only.
 
 An export (`mmtrain export`) holds `model.safetensors` + `config.yaml` + `tokenizer.json`;
 `load_for_inference` reads both kinds (and the single-file `state.pt` checkpoints of before).
@@ -33,6 +36,7 @@ import yaml
 
 from mmtrain.distributed import DistEnv, barrier, broadcast_object
 from mmtrain.errors import UserError
+from mmtrain.manifest import verify, write_manifest
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "state.pt"
@@ -70,6 +74,25 @@ class Checkpointer:
             self._recover()
         return broadcast_object(self.latest() if self.env.is_main else None, self.env)
 
+    def newest_valid(self) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """Collective: the newest checkpoint that verifies against its manifest, and the newer
+        ones skipped with why (the same on every rank). Raises if checkpoints exist but none
+        verifies: starting from scratch would silently throw a run away."""
+        if self.env.is_main:
+            self._recover()
+        found = sorted((p for p in self.run_dir.iterdir() if _STEP_DIR.match(p.name)),
+                       key=lambda p: int(p.name[5:])) if self.run_dir.is_dir() else []
+        skipped = []
+        for path in reversed(broadcast_object(found if self.env.is_main else None, self.env)):
+            why = verify(path, self.env)
+            if why is None:
+                return path, skipped
+            skipped.append((path, why))
+        if skipped:
+            raise UserError(f"{self.run_dir}: no checkpoint verifies (" +
+                            "; ".join(f"{p.name}: {why}" for p, why in skipped) + ")")
+        return None, []
+
     def save(self, step: int, dcp_state: dict, shared: dict, per_rank: dict, config_text: str,
              files: dict[str, Path] | None = None, before_commit: Callable[[], None] | None = None) -> Path:
         """Collective: every rank calls it. `dcp_state` goes through torch.distributed.checkpoint,
@@ -96,6 +119,7 @@ class Checkpointer:
         if before_commit is not None:
             before_commit()
         barrier(env)  # every rank's files are on disk
+        write_manifest(tmp, env)  # last: what a later resume checks the files against
         if env.is_main:
             self._commit(tmp, final)
             self._prune()
@@ -103,13 +127,7 @@ class Checkpointer:
         return final
 
     def _commit(self, tmp: Path, final: Path) -> None:
-        old = final.with_name(f".{final.name}.old")
-        if final.exists():  # re-saving the same step: keep the old copy until the new one is in place
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync(self.run_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in(tmp, final)
 
     def _recover(self) -> None:
         """A crash between the two renames of a re-save leaves `.step_N.old` and no `step_N`."""
@@ -127,6 +145,27 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.run_dir.glob(".step_*.tmp"):  # half-written saves of crashed launches
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def swap_in(tmp: Path, final: Path) -> None:
+    """Rename the finished directory `tmp` to `final`; an existing `final` is kept (as
+    `.<name>.old`) until the new one is in place, so a crash leaves one of them whole."""
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def tokenizer_file(spec: str | None) -> Path | None:
+    """The tokenizer.json that `data.tokenizer` names (a file, or a directory holding one)."""
+    if not spec or spec == "byte":
+        return None
+    path = Path(spec)
+    path = path / TOKENIZER_FILE if path.is_dir() else path
+    return path if path.is_file() else None
 
 
 @contextlib.contextmanager
@@ -210,9 +249,16 @@ def _load_export(path: Path) -> tuple[dict[str, Any], dict[str, Any], Path | Non
 
 
 def _torch_load(file: Path, map_location) -> dict[str, Any]:
+    """weights_only: a checkpoint path given on the command line must not run code on load.
+    NumPy's RNG state (format-1 checkpoints stored it as an array) is allowed by name."""
+    import numpy as np
+    from numpy._core.multiarray import _reconstruct
+
+    legacy = [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     try:
-        return torch.load(file, map_location=map_location, weights_only=False)
-    except Exception as e:  # a truncated or foreign file: say so in one line
+        with torch.serialization.safe_globals(legacy):
+            return torch.load(file, map_location=map_location, weights_only=True)
+    except Exception as e:  # a truncated, foreign or unsafe file: say so in one line
         raise UserError(f"{file}: cannot read checkpoint: {_first_line(e)}") from None
 
 

@@ -1,29 +1,50 @@
 """`mmtrain export CKPT --out DIR`: consolidated weights for consumers outside training.
 
 DIR gets `model.safetensors` (the full, unsharded model state dict), `config.yaml` (the resolved
-run config) and `tokenizer.json` (when the checkpoint carries one). `load_for_inference(DIR)`
-reads it back, as does the attention-map tool. CKPT is a checkpoint directory `RUN/step_<N>`
-or a run directory (its newest checkpoint).
+run config) and `tokenizer.json` (the checkpoint's copy, else the one `data.tokenizer` names, a
+file or a directory holding it). `load_for_inference(DIR)` reads it back, as does the
+attention-map tool. CKPT is a checkpoint directory `RUN/step_<N>` or a run directory (its newest
+checkpoint that verifies). The export is written next to DIR and renamed into place (an existing
+export is replaced only once the new one is whole); files are mode 0644.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import yaml
 
-from mmtrain.checkpoint import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, Checkpointer, load_for_inference
+from mmtrain.checkpoint import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    Checkpointer,
+    load_for_inference,
+    swap_in,
+    tokenizer_file,
+)
+from mmtrain.distributed import DistEnv
 from mmtrain.errors import UserError
+from mmtrain.manifest import verify
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such checkpoint")
-    latest = Checkpointer(path, keep_last=1).latest()
-    return latest if latest is not None else path
+    latest, skipped = Checkpointer(path, keep_last=1).newest_valid()
+    for p, why in skipped:
+        print(f"warning: skipped damaged checkpoint {p}: {why}", file=sys.stderr)
+    if latest is not None:
+        return latest
+    why = verify(path, DistEnv()) if path.is_dir() and not (path / WEIGHTS_FILE).is_file() else None
+    if why is not None:
+        raise UserError(f"{path}: damaged checkpoint: {why}")
+    return path
 
 
 def export(ckpt: str | Path, out: str | Path) -> Path:
@@ -31,15 +52,26 @@ def export(ckpt: str | Path, out: str | Path) -> Path:
 
     src, out = resolve_checkpoint(ckpt), Path(out)
     config, state, tokenizer = load_for_inference(src)
+    tokenizer = tokenizer or tokenizer_file((config.get("data") or {}).get("tokenizer"))
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / WEIGHTS_FILE).is_file())):
+        raise UserError(f"--out {out}: exists and is not an export (refusing to replace it)")
+    tmp = out.with_name(f".{out.name}.tmp")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
     except OSError as e:
         raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt", "source": str(src)})
-    (out / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt", "source": str(src)})
+    (tmp / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     if tokenizer is not None:
-        shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+        shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+    for f in tmp.iterdir():
+        f.chmod(0o644)
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    tmp.chmod(0o755)
+    swap_in(tmp, out)
     return out
 
 

@@ -31,7 +31,7 @@ from data_pipelines.loader import build_loader
 from data_pipelines.tokenizer import load_tokenizer
 from mmtrain import train_state
 from mmtrain.balance import build_balancer
-from mmtrain.checkpoint import TOKENIZER_FILE, Checkpointer
+from mmtrain.checkpoint import TOKENIZER_FILE, Checkpointer, tokenizer_file
 from mmtrain.config import to_dict
 from mmtrain.diagnostics import run_diagnostics
 from mmtrain.dist_eval import dummy_batch, evaluate_ranks, pad_to_most
@@ -113,11 +113,15 @@ class Trainer:
 
     # ----- state -------------------------------------------------------------------------
     def _resume(self) -> Path | None:
-        latest = self.checkpointer.latest_agreed()
+        """From the newest checkpoint that verifies; damaged newer ones are named in the log."""
+        latest, skipped = self.checkpointer.newest_valid()
+        notes = [f"skipped damaged checkpoint {p}: {why}" for p, why in skipped]
+        self.resume_note = "; ".join(notes) or None
         if latest is None:
             return None
         try:
-            self.resume_note = train_state.load_training_state(self, latest)
+            note = train_state.load_training_state(self, latest)
+            self.resume_note = "; ".join(notes + ([note] if note else [])) or None
         except (KeyError, RuntimeError, ValueError) as e:
             raise UserError(f"{latest}: checkpoint does not match this config: {e}") from None
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
@@ -152,8 +156,8 @@ class Trainer:
         return True
 
     def save_checkpoint(self) -> Path:
-        tok = Path(self.cfg.data.tokenizer)
-        files = {TOKENIZER_FILE: tok} if tok.is_file() else {}
+        tok = tokenizer_file(self.cfg.data.tokenizer)  # data.tokenizer may be a directory
+        files = {TOKENIZER_FILE: tok} if tok is not None else {}
         kill_here = self.cfg.train.faults.kill_in_save_at_step == self.step
         return self.checkpointer.save(
             self.step, train_state.model_optim_state(self), train_state.shared_state(self),

@@ -32,7 +32,7 @@ def test_keeps_last_k_and_hides_a_save_that_did_not_finish(tmp_path):
     for step in (1, 2, 3):
         save(ckpt, step)
     assert names(tmp_path) == ["step_2", "step_3"]
-    assert names(tmp_path / "step_3") == ["config.yaml", "dcp", "rank_00000.pt", "state.pt"]
+    assert names(tmp_path / "step_3") == ["config.yaml", "dcp", "manifest.json", "rank_00000.pt", "state.pt"]
 
     def crash():
         raise RuntimeError("power cut")
