@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 
+import yaml
+
 from data_pipelines.config import DataConfig, MediaConfig, SourceConfig
 from data_pipelines.documents import KINDS
+from data_pipelines.errors import DataError
 from data_pipelines.loader import build_loader
 from data_pipelines.tokenizer import load_tokenizer
 
@@ -28,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-pixels", type=int, default=MediaConfig.max_image_pixels,
                    help="larger images count as bad (too_large)")
     p.add_argument("--show-bad", type=int, default=10, help="ledger entries to list (default 10)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="any data config field, e.g. --set max_member_bytes=1000000 --set "
+                        "media.video_max_frames=4 --set shard_retries=0 (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -35,8 +41,21 @@ def inspect_shards(args: argparse.Namespace) -> dict:
     media = MediaConfig(patch_size=args.patch_size, merge=args.merge,
                         min_pixels=args.min_pixels, max_pixels=args.max_pixels,
                         max_image_pixels=args.max_image_pixels)
-    cfg = DataConfig(val=[SourceConfig("inspect", list(args.shards))], seq_len=args.seq_len,
-                     batch_size=args.batch_size, num_workers=0, max_failure_rate=1.0, media=media)
+    fields = {"val": [SourceConfig("inspect", list(args.shards))], "seq_len": args.seq_len,
+              "batch_size": args.batch_size, "num_workers": 0, "max_failure_rate": 1.0}
+    media_fields = {k: getattr(media, k) for k in MediaConfig.__dataclass_fields__}
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        is_media = key.startswith("media.")
+        target, name = (media_fields, key[6:]) if is_media else (fields, key)
+        if name not in (MediaConfig if is_media else DataConfig).__dataclass_fields__ or \
+                name in ("train", "val", "media"):
+            raise DataError(f"--set {item}: no data config field {key!r}")
+        target[name] = yaml.safe_load(value)
+    try:
+        cfg = DataConfig(**fields, media=MediaConfig(**media_fields))
+    except (TypeError, ValueError) as e:
+        raise DataError(f"--set: {e}") from None
     loader = build_loader(cfg, load_tokenizer(args.tokenizer), "val")
     for _ in loader:
         pass

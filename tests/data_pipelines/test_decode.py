@@ -114,3 +114,41 @@ def test_bad_videos_are_skipped():
     good = video_bytes(4)
     for bad in (b"", b"garbage" * 50, good[: len(good) // 3]):
         assert _reason(decode_video, bad, MEDIA) == "corrupt_video"
+
+
+# ----- memory bounds ----------------------------------------------------------------------------
+def test_pyav_fallback_holds_only_the_sampled_frames(monkeypatch):
+    import tracemalloc
+
+    import data_pipelines.decode as decode
+
+    def broken(*a):
+        raise RuntimeError("decord cannot read this")
+
+    monkeypatch.setattr(decode, "_decode_decord", broken)
+    data = video_bytes(frames=600, h=48, w=64, fps=30, values=[t % 250 for t in range(600)])
+    media = small_media(max_pixels=48 * 64, video_max_frames=4)
+    tracemalloc.start()
+    out = decode_video(data, media)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert out.shape == (4, 48, 64, 3)
+    assert peak < 600 * 48 * 64 * 3 / 20  # all frames in RGB would be 5.5 MB
+
+
+def test_video_caps_come_from_the_headers_before_decoding(monkeypatch):
+    import data_pipelines.decode as decode
+
+    def never(*a):
+        raise AssertionError("decoded")
+
+    data = video_bytes(frames=4, h=64, w=64)
+    with monkeypatch.context() as m:
+        m.setattr(decode, "_decode_decord", never)
+        m.setattr(decode, "_decode_pyav", never)
+        assert _reason(decode_video, data, small_media(max_image_pixels=64 * 63)) == "too_large"
+        assert _reason(decode_video, data, small_media(max_source_frames=3)) == "too_large"
+    out = decode_video(data, small_media(max_pixels=8 * 8, min_pixels=8 * 8))  # target 8 x 8
+    assert out.shape[1:] == (16, 16, 3)  # decoded at twice the target per side, not 64 x 64
+    big = decode_image(image_bytes(64, 64), small_media(max_pixels=8 * 8, min_pixels=8 * 8))
+    assert big.shape == (16, 16, 3)

@@ -160,3 +160,47 @@ def test_an_unexpected_exception_skips_the_sample_and_warns(tmp_path, monkeypatc
         names = [n for b in loader for n in _labels(b)]
     assert sorted(names) == ["t-0-0", "t-0-1", "t-0-3", "t-0-4"]
     assert [e.reason for e in loader.ledger.entries] == ["unexpected_error"]
+
+
+# ----- what the state was built from --------------------------------------------------------------
+def test_a_changed_shard_list_is_an_error_unless_allowed(tmp_path):
+    cfg = _mixed_cfg(tmp_path)
+    loader = build_loader(cfg, TOK, "train")
+    next(iter(loader))
+    state = loader.state_dict()
+    cfg.train[1].shards = cfg.train[1].shards[:1]
+    with pytest.raises(DataError, match=r"shard list of source\(s\) 'b' \(b: 2 -> 1 shards\).*allow_changed"):
+        build_loader(cfg, TOK, "train").load_state_dict(state)
+    cfg.allow_changed_shards = True
+    other = build_loader(cfg, TOK, "train")
+    with pytest.warns(UserWarning, match="restarts at its next epoch"):
+        other.load_state_dict(state)
+    assert next(iter(other)).num_tokens() > 0
+
+
+def test_changed_weights_warn_and_keep_the_positions(tmp_path):
+    cfg = _mixed_cfg(tmp_path)
+    loader = build_loader(cfg, TOK, "train")
+    next(iter(loader))
+    cfg.train[0].weight = 5.0
+    other = build_loader(cfg, TOK, "train")
+    with pytest.warns(UserWarning, match="mixing"):
+        other.load_state_dict(loader.state_dict())
+    assert other.state_dict()["workers"] == loader.state_dict()["workers"]
+
+
+def test_resume_is_exact_inside_long_texts_with_a_byte_bounded_buffer(tmp_path):
+    samples = [{"__key__": f"L{i}", "txt": f"t-0-{i} " + "abcdefgh" * (20 + 7 * i)} for i in range(12)]
+    url = write_tar(tmp_path / "long.tar", samples)
+    cfg = data_cfg(train=[url, url], num_workers=2, shuffle_buffer=50, shuffle_buffer_bytes=600)
+    loader = build_loader(cfg, TOK, "train")
+    it = iter(loader)
+    [next(it) for _ in range(7)]
+    state = loader.state_dict()
+    assert any(s["chunks"] for w in state["workers"] for s in w["sources"])  # saved inside a text
+    assert all(len(s["buffer"]) < 50 for w in state["workers"] for s in w["sources"])  # bytes bound it
+    expected = [next(it) for _ in range(6)]
+    del it
+    resumed = build_loader(cfg, TOK, "train")
+    resumed.load_state_dict(state)
+    assert all(_same(a, b) for a, b in zip(expected, itertools.islice(resumed, 6)))
