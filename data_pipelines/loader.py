@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from data_pipelines.agree import rank_sync
 from data_pipelines.batch import TEXT, PackedBatch
 from data_pipelines.config import DataConfig
 from data_pipelines.errors import DataError
@@ -195,9 +196,23 @@ class Loader:
         if self.split == "val":  # one deterministic pass, the same every time
             self._reset()
             self.ledger = Ledger()
-        for item in self._items():
-            if isinstance(item, _Failure):
-                raise DataError(item.message)
+        # train: every rank takes one batch per micro-batch, so a failure is agreed on each batch
+        sync = rank_sync() if self.split == "train" else None
+        items = self._items()
+        while True:
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            except Exception as e:  # a worker that died (e.g. a segfault in a decoder)
+                if sync is None:
+                    raise
+                item = _Failure(f"{type(e).__name__}: {e}")
+            failure = item.message if isinstance(item, _Failure) else None
+            if sync is not None:
+                failure = sync(failure)
+            if failure is not None:
+                raise DataError(failure)
             batch, state, delta = item
             if isinstance(batch, _Wire):
                 batch = from_wire(batch)
