@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -202,6 +203,7 @@ def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     root = Path(path) / DCP_DIR
     if not (root / ".metadata").is_file():
         raise UserError(f"{path}: not a checkpoint (no {DCP_DIR}/.metadata)")
+    check_dcp_metadata(root)
     state: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -246,6 +248,33 @@ def _load_export(path: Path) -> tuple[dict[str, Any], dict[str, Any], Path | Non
         raise UserError(f"{path}: cannot read the export: {_first_line(e)}") from None
     tokenizer = path / TOKENIZER_FILE
     return config, weights, tokenizer if tokenizer.is_file() else None
+
+
+_METADATA_GLOBALS = {("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
+                     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only what DCP's metadata holds: its own dataclasses, torch dtypes/layouts/Size, paths."""
+
+    def find_class(self, module: str, name: str):
+        ok = module.startswith("torch.distributed.checkpoint.") or (module, name) in _METADATA_GLOBALS
+        if module == "torch":
+            kinds = (torch.dtype, torch.layout, torch.memory_format)
+            ok = name == "Size" or isinstance(getattr(torch, name, None), kinds)
+        if not ok:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+def check_dcp_metadata(root: Path) -> None:
+    """DCP unpickles `.metadata` with plain pickle: read it first with an allowlist, so that a
+    checkpoint path from the command line cannot run code."""
+    try:
+        with open(root / ".metadata", "rb") as f:
+            _MetadataUnpickler(f).load()
+    except Exception as e:
+        raise UserError(f"{root / '.metadata'}: cannot read checkpoint metadata: {_first_line(e)}") from None
 
 
 def _torch_load(file: Path, map_location) -> dict[str, Any]:

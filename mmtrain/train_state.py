@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmtrain.checkpoint import DCP_DIR, load_rank_state, load_state, quiet_single_process
+from mmtrain.checkpoint import DCP_DIR, check_dcp_metadata, load_rank_state, load_state, quiet_single_process
 from mmtrain.config import to_dict
 from mmtrain.errors import UserError
 
@@ -94,6 +94,7 @@ def _load_model_optim(trainer, path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = model_optim_state(trainer)
+    check_dcp_metadata(path / DCP_DIR)
     with quiet_single_process():
         dcp.load(state, checkpoint_id=path / DCP_DIR, no_dist=not trainer.env.distributed)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
