@@ -31,7 +31,7 @@ IGNORE_INDEX = -100
 class PackedBatch:
     tokens_BS: torch.Tensor  # int64 token ids; visual tokens hold the image_pad / video_pad id
     labels_BS: torch.Tensor  # int64 next-token target per position, IGNORE_INDEX where no loss
-    doc_ids_BS: torch.Tensor  # int32 document index within the row (0, 1, ...); padding is its own doc
+    doc_ids_BS: torch.Tensor  # int32 document index within the row (0, 1, ...); padding is document -1
     span_ids_BS: torch.Tensor  # int32 bidirectional span (one image / one video frame), -1 for text
     modality_BS: torch.Tensor  # int8 TEXT / IMAGE / VIDEO of the token itself
     task_BS: torch.Tensor  # int8 TASK_* of the token's document (TASK_PAD for padding)

@@ -82,7 +82,7 @@ def assemble(rows: list[list[Document]], seq_len: int, pad_id: int, patch_dim: i
             media_ids_BS[r, sl][visual] = ids
             media.extend(d.media)
             off += len(d)
-        doc_ids_BS[r, off:] = len(docs)  # padding is a document of its own
+        doc_ids_BS[r, off:] = -1  # padding: a document of its own, id -1 (not routed, not counted)
         pos_3BS[:, r, off:] = np.arange(S - off)
     return PackedBatch(
         tokens_BS=torch.from_numpy(tokens_BS),

@@ -23,7 +23,7 @@ def dummy_batch(seq_len: int, patch_dim: int) -> PackedBatch:
     return PackedBatch(
         tokens_BS=torch.zeros(1, S, dtype=torch.long),
         labels_BS=torch.full((1, S), IGNORE_INDEX, dtype=torch.long),
-        doc_ids_BS=torch.zeros(1, S, dtype=torch.int32),
+        doc_ids_BS=torch.full((1, S), -1, dtype=torch.int32),  # padding
         span_ids_BS=torch.full((1, S), -1, dtype=torch.int32),
         modality_BS=torch.zeros(1, S, dtype=torch.int8),
         task_BS=torch.full((1, S), TASK_PAD, dtype=torch.int8),

@@ -2,7 +2,8 @@
 
 MFU = achieved model FLOP/s per device / peak FLOP/s per device. Achieved FLOPs come from the
 model's own counter (`MultimodalModel.flops_per_token`: 6 x active matmul parameters plus
-attention, plus the vision tower for the visual share of tokens) times the tokens trained;
+attention -- with the keys per token each layer really attended on the latest measured batch
+(`attn_keys`) -- plus the vision tower for the visual share of tokens) times the tokens trained;
 the peak is `train.peak_tflops`, or for known GPUs their dense bf16 peak.
 """
 
@@ -61,10 +62,11 @@ class Window:
     def tokens_per_s_per_device(self, world_size: int) -> float:
         return self.tokens / world_size / max(self.seconds, 1e-9)
 
-    def mfu(self, model, seq_len: int, world_size: int, peak: float | None) -> float | None:
+    def mfu(self, model, seq_len: int, world_size: int, peak: float | None,
+            attn_keys: dict[int, float] | None = None) -> float | None:
         if not peak or not self.tokens:
             return None
         visual_fraction = self.visual_tokens / self.tokens
         patches_per_medium = self.patches / self.media if self.media else 256
-        flops = model.flops_per_token(seq_len, visual_fraction, int(max(1, patches_per_medium)))
+        flops = model.flops_per_token(seq_len, visual_fraction, int(max(1, patches_per_medium)), attn_keys)
         return flops * self.tokens_per_s_per_device(world_size) / (peak * 1e12)

@@ -41,6 +41,10 @@ def print_summary(summary: dict, seconds: float | None = None) -> None:
         f"data wait {summary['data_wait_fraction']:.1%} of step time; "
         f"skipped steps {summary['skipped_steps']}; checkpoint {summary['checkpoint']}"
     )
+    sparse = {i: a for i, a in (summary.get("attention") or {}).items() if a["sparse"]}
+    if sparse:
+        kept = ", ".join(f"L{i} {a['kept_frac']:.0%}" for i, a in sparse.items())
+        console.print(f"sparse layers keep {kept} of the key blocks their queries can reach (last log step)")
     diag = summary.get("diagnostics")
     if diag:
         alarms = diag.get("alarms") or []

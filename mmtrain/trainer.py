@@ -45,6 +45,7 @@ from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync
 from mmtrain.perf import Window, peak_memory_gib, peak_tflops
 from mmtrain.run_config import RunConfig
 from mmtrain.run_dir import RESOLVED_CONFIG, prepare_run_dir
+from models.attention.counts import ATTN_COUNTS
 from models.vision import make_ssl_mask
 
 PERF_WARMUP_STEPS = 3  # steps of each launch left out of the run's throughput (allocation, compile)
@@ -100,6 +101,8 @@ class Trainer:
         self.evals: list[dict] = []  # {"step": N, ...EvalResult.to_dict()}
         self.diagnostics: list[dict] = []  # DiagResult.to_dict() of each run: step, alarms, signals
         self._head_g: dict[str, torch.Tensor] = {}  # GradNorm: LM-head gradient per task, this step
+        self._attn_acc: dict[int, torch.Tensor] | None = None  # attention counts, on log steps
+        self.attn_stats: dict[int, dict] = {}  # per layer, latest log step: kept_frac, keys_per_token
         self._val_cache: list[PackedBatch] | None = None
         self.verbose = verbose
         self._wait_total = 0.0  # data-wait and step seconds since this process started
@@ -219,6 +222,8 @@ class Trainer:
         accum, world = self.cfg.train.grad_accum, self.env.world_size
         weights = self.balancer.weights()
         acc = dict.fromkeys(_STATS, 0.0)
+        # On log steps the layers also count what their attention visited (MFU, sparsity).
+        self._attn_acc = {} if (self.step + 1) % self.cfg.train.log_every == 0 else None
         self._head_g = {}
         for i in range(accum):
             t0 = time.perf_counter()
@@ -229,6 +234,8 @@ class Trainer:
                 loss = self._micro_batch(batch, weights, acc)
                 (loss * world / accum).backward()
             acc["loss"] += float(loss.detach()) / accum
+        if self._attn_acc is not None:
+            self._finish_attn_stats()
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         acc["nonfinite"] = float(not (math.isfinite(acc["loss"]) and math.isfinite(grad_norm)))
         limit = self.cfg.train.time_limit_min
@@ -263,7 +270,11 @@ class Trainer:
         ssl_cfg = self.cfg.loss.visual_ssl
         ssl_mask = self._ssl_mask(batch) if ssl_cfg.weight else None
         with self._autocast():
-            out = self.model(**batch.model_inputs(), ssl_mask_N=ssl_mask)
+            out = self.model(**batch.model_inputs(), ssl_mask_N=ssl_mask,
+                             attn_stats=self._attn_acc is not None)
+        for layer, st in out.attn_stats.items():
+            row = torch.stack([st[k].double() for k in ATTN_COUNTS])
+            self._attn_acc[layer] = self._attn_acc.get(layer, 0) + row
         losses = task_losses(out.logits_BSV, batch.labels_BS, batch.task_BS)
         local_n = [int(losses.count[t]) for t in TASK_NAMES]
         if world > 1:  # the same sum as one process would form over the global micro-batch
@@ -295,6 +306,17 @@ class Trainer:
         acc["media"] += batch.grid_thw_M3.shape[0]
         acc["patches"] += batch.patches_NP.shape[0]
         return loss
+
+    def _finish_attn_stats(self) -> None:
+        """Sum the layers' attention counts over micro-batches and ranks -> self.attn_stats."""
+        layers = sorted(self._attn_acc)
+        if not layers:
+            return
+        total_LC = all_reduce(torch.stack([self._attn_acc[i] for i in layers]), self.env).cpu()
+        sparse = self.raw_model.cfg.decoder.is_sparse
+        self.attn_stats = {
+            i: {"sparse": sparse(i), "kept_frac": float(c[1] / max(float(c[2]), 1.0)),
+                "keys_per_token": float(c[0] / max(float(c[3]), 1.0))} for i, c in zip(layers, total_LC)}
 
     def _ssl_mask(self, batch: PackedBatch) -> torch.Tensor:
         """Which patches the masked-patch term hides: a pure function of (seed, step, rank, batch)."""
@@ -448,11 +470,19 @@ class Trainer:
                 "perf/tokens_per_s_per_device": self._window.tokens_per_s_per_device(world),
                 "perf/peak_mem_gib": self._peak_memory(),
             })
-            mfu = self._window.mfu(self.raw_model, self.cfg.data.seq_len, world, self._peak)
+            for i, a in self.attn_stats.items():
+                scalars[f"attn/keys_per_token_L{i}"] = a["keys_per_token"]
+                if a["sparse"]:
+                    scalars[f"attn/kept_block_frac_L{i}"] = a["kept_frac"]
+            mfu = self._window.mfu(self.raw_model, self.cfg.data.seq_len, world, self._peak,
+                                   self._attn_keys())
             if mfu is not None:
                 scalars["perf/mfu"] = mfu
             log.scalars(self.step, scalars)
             self._window = Window()
+
+    def _attn_keys(self) -> dict[int, float]:
+        return {i: a["keys_per_token"] for i, a in self.attn_stats.items()}
 
     def _peak_memory(self) -> float:
         """GiB, the largest over ranks (a collective: called at the same steps on every rank)."""
@@ -465,7 +495,7 @@ class Trainer:
     def summary(self, ckpt: Path) -> dict:
         perf = self._run_perf if self._run_perf.steps else self._window
         world = self.env.world_size
-        mfu = perf.mfu(self.raw_model, self.cfg.data.seq_len, world, self._peak)
+        mfu = perf.mfu(self.raw_model, self.cfg.data.seq_len, world, self._peak, self._attn_keys())
         return {
             "run_dir": str(self.run_dir), "checkpoint": str(ckpt), "steps": self.step,
             "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
@@ -475,6 +505,7 @@ class Trainer:
             "start": self.evals[0], "end": self.evals[-1],
             "balancer": self.cfg.loss.balancer.kind, "weights": self.balancer.weights(),
             "diagnostics": self.diagnostics[-1] if self.diagnostics else None,
+            "attention": {str(i): a for i, a in self.attn_stats.items()},
         }
 
 

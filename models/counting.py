@@ -4,7 +4,9 @@ Active parameters count a token's path: shared experts fully, routed experts top
 Training FLOPs per decoder token = 6 x active matmul parameters (the embedding lookup is not a
 matmul; a tied embedding is counted once, as the LM head) + attention 12 x H x head_dim x keys
 per layer (QK^T and AV, forward + backward = 3 x forward), where keys is what the layer really
-reads: ~S/2 for a full causal layer, (own + window + sink + top_k) blocks for a sparse one.
+attends per query: measured on the batch when given (`attn_keys`, from the layers' counts in
+models/attention/counts.py: documents, visual_always and span closures included), else the
+estimate ~S/2 for a full causal layer, (own + window + sink + top_k) blocks for a sparse one.
 Visual tokens add the vision tower's cost for their merge^2 patches, scaled by the visual
 fraction. Documents shorter than S make full layers cheaper than counted (an upper bound).
 The optional visual self-supervised pass (vision `ssl_head`: a second tower pass over the
@@ -62,7 +64,7 @@ def _vision_not_per_patch(vision: nn.Module) -> tuple[nn.Parameter, ...]:
 
 
 def attention_keys(model: nn.Module, layer: int, seq_len: int) -> float:
-    """Keys read per query in a decoder layer (mean over positions, whole-row documents)."""
+    """Estimated keys per query in a decoder layer (mean over positions, whole-row documents)."""
     dec = model.cfg.decoder
     full = seq_len / 2
     if not dec.is_sparse(layer):
@@ -73,13 +75,15 @@ def attention_keys(model: nn.Module, layer: int, seq_len: int) -> float:
 
 
 def flops_per_token(model: nn.Module, seq_len: int, visual_fraction: float = 0.0,
-                    patches_per_medium: int = 256) -> float:
-    """Training FLOPs per decoder token (see the module docstring)."""
+                    patches_per_medium: int = 256, attn_keys: dict[int, float] | None = None) -> float:
+    """Training FLOPs per decoder token (see the module docstring); attn_keys: measured keys per
+    query token of each layer (missing layers are estimated)."""
     dec, vis = model.cfg.decoder, model.cfg.vision
     decoder = model.decoder
     skip = (decoder.embed.weight,) if decoder.lm_head is not None else ()
     dense = 6 * (_matmul_params(decoder, skip) - _inactive_routed(decoder))
-    attn = sum(12 * dec.n_heads * dec.head_dim * attention_keys(model, i, seq_len)
+    keys = attn_keys or {}
+    attn = sum(12 * dec.n_heads * dec.head_dim * keys.get(i, attention_keys(model, i, seq_len))
                for i in range(dec.n_layers))
     projector = _matmul_params(model.vision.projector)  # runs once per merged token
     tower = _matmul_params(model.vision, _vision_not_per_patch(model.vision)) - projector

@@ -82,13 +82,14 @@ class DecoderLayer(nn.Module):
         self.ffn = MoE(cfg.dim, cfg.moe) if cfg.is_moe(layer) else SwiGLU(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor, meta, attn_cfg: AttentionConfig,
-                modality_BS: Tensor, capture: dict | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                modality_BS: Tensor, capture: dict | None = None,
+                stats: dict | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """-> (x, aux); aux is {} for a dense FFN, else the MoE's losses and load (a pytree)."""
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF, meta, attn_cfg,
-                                  sparse=self.sparse, capture=capture)
+                                  sparse=self.sparse, capture=capture, stats=stats)
         h_BSD = self.ffn_norm(x_BSD)
         if isinstance(self.ffn, MoE):
-            y_BSD, aux = self.ffn(h_BSD, modality_BS)
+            y_BSD, aux = self.ffn(h_BSD, modality_BS, meta.real_BS)
             return x_BSD + y_BSD, aux
         return x_BSD + self.ffn(h_BSD), {}
 
@@ -100,6 +101,7 @@ class DecoderOutput:
     expert_load: dict[int, Tensor] | None  # layer -> (3, E) int64 counts (text, image, video)
     router_entropy: dict[int, Tensor] | None  # layer -> (3,) mean routing entropy per modality
     captures: dict[int, dict]
+    attn_stats: dict[int, dict[str, Tensor]]  # layer -> what attention visited (attention/counts.py)
 
 
 def scatter_visual(h_BSD: Tensor, modality_BS: Tensor, visual_QD: Tensor) -> Tensor:
@@ -152,25 +154,28 @@ class Decoder(nn.Module):
 
     def forward(self, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, span_ids_BS: Tensor,
                 modality_BS: Tensor, visual_QD: Tensor | None = None,
-                capture_layers: Collection[int] | None = None) -> DecoderOutput:
+                capture_layers: Collection[int] | None = None, attn_stats: bool = False) -> DecoderOutput:
+        """doc_ids < 0 mark padding (not routed by MoE, not counted); `attn_stats` asks every layer
+        for the counts of what its attention visited (keys, kept and reachable blocks)."""
         h_BSD = self.embed(tokens_BS)
         if visual_QD is not None:
             h_BSD = scatter_visual(h_BSD, modality_BS, visual_QD)
         cos_B1SF, sin_B1SF = self.rotary(pos_ids_3BS)
         meta = build_meta(doc_ids_BS, span_ids_BS, self.cfg.attention.block_size)  # once, all layers
         captures = {i: {} for i in (capture_layers or ())}
+        stats = {i: {} for i in range(len(self.layers))} if attn_stats else {}
         aux_losses: dict[str, Tensor] = {}
         load, entropy = {}, {}
         for i, layer in enumerate(self.layers):
             h_BSD, aux = layer(h_BSD, cos_B1SF, sin_B1SF, meta, self.cfg.attention, modality_BS,
-                               captures.get(i))
+                               captures.get(i), stats.get(i))
             if aux:
                 for name in ("moe_seq_balance", "router_z"):
                     aux_losses[name] = aux_losses.get(name, 0.0) + aux[name]
                 load[i], entropy[i] = aux["load_3E"], aux["router_entropy_3"]
                 if self.training:  # here, not in the layer: activation checkpointing replays layers
                     layer.ffn.accumulate_load(aux["load_3E"])
-        return DecoderOutput(self.norm(h_BSD), aux_losses, load or None, entropy or None, captures)
+        return DecoderOutput(self.norm(h_BSD), aux_losses, load or None, entropy or None, captures, stats)
 
     def logits(self, hidden_BSD: Tensor) -> Tensor:
         weight_VD = self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -146,38 +146,46 @@ class MoE(nn.Module):
         self.expert_bias_E.zero_()
         self.load_E.zero_()
 
-    def forward(self, x_BSD: Tensor, modality_BS: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def forward(self, x_BSD: Tensor, modality_BS: Tensor | None = None,
+                real_BS: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """real_BS (bool): tokens to route; the others (padding) get only the shared expert and
+        stay out of the load, the balance, the z-loss and the entropy."""
         cfg = self.cfg
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         mod_T = (modality_BS.reshape(-1).long() if modality_BS is not None
                  else x_TD.new_zeros(B * S, dtype=torch.long))
+        real_T = (real_BS.reshape(-1) if real_BS is not None
+                  else torch.ones(B * S, dtype=torch.bool, device=x_TD.device))
         group_T = (mod_T != 0).long() if cfg.modality_groups else torch.zeros_like(mod_T)
         allowed_TE = (group_T[:, None] == self.group_E[None, :]) if cfg.modality_groups else None
 
         with torch.autocast(x_TD.device.type, enabled=False):  # fp32 routing: selection and z-loss
             logits_TE = F.linear(x_TD.float(), self.router.weight.float())  # are precision-sensitive
         idx_TK, w_TK, p_TE = route(logits_TE, self.expert_bias_E, allowed_TE, cfg)
-        y_TD = run_experts(x_TD, idx_TK, w_TK, self.w_in_EDF2, self.w_out_EFD, cfg.dispatch)
+        y_TD = run_experts(x_TD, idx_TK, w_TK, self.w_in_EDF2, self.w_out_EFD, cfg.dispatch, real_T)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
-        aux = self._aux(logits_TE, allowed_TE, idx_TK, p_TE, group_T, mod_T, B, S)
+        aux = self._aux(logits_TE, allowed_TE, idx_TK, p_TE, group_T, mod_T, real_T, B, S)
         return y_TD.view(B, S, D).to(x_BSD.dtype), aux
 
-    def _aux(self, logits_TE, allowed_TE, idx_TK, p_TE, group_T, mod_T, B, S) -> dict[str, Tensor]:
+    def _aux(self, logits_TE, allowed_TE, idx_TK, p_TE, group_T, mod_T, real_T, B, S) -> dict[str, Tensor]:
         cfg, E = self.cfg, self.cfg.n_routed
         chosen_TE = torch.zeros_like(p_TE).scatter_(-1, idx_TK, 1.0)
-        seq = seq_balance_loss(p_TE.view(B, S, E), chosen_TE.view(B, S, E), group_T.view(B, S),
-                               cfg.group_sizes(), cfg.top_k)
+        seq = seq_balance_loss(p_TE.view(B, S, E), chosen_TE.view(B, S, E),
+                               torch.where(real_T, group_T, -1).view(B, S), cfg.group_sizes(), cfg.top_k)
         masked_TE = logits_TE if allowed_TE is None else logits_TE.masked_fill(~allowed_TE, float("-inf"))
-        z = masked_TE.logsumexp(-1).square().mean()
+        # Mean over token slots, padding adding 0: every data-parallel rank divides by the same
+        # B * S, so the ranks' mean is the global batch's (a mean over real tokens would not be).
+        z = torch.where(real_T, masked_TE.logsumexp(-1).square(), 0).sum() / real_T.numel()
         with torch.no_grad():
+            mod_T = torch.where(real_T, mod_T, N_MODALITIES)  # padding: an extra bin, dropped
             flat_R = (mod_T[:, None] * E + idx_TK).reshape(-1)
-            load_3E = count(flat_R, N_MODALITIES * E).view(N_MODALITIES, E)
+            load_3E = count(flat_R, (N_MODALITIES + 1) * E)[: N_MODALITIES * E].view(N_MODALITIES, E)
             ent_T = -(p_TE * p_TE.clamp_min(1e-20).log()).sum(-1)
-            n_3 = count(mod_T, N_MODALITIES)
-            ent_3 = torch.zeros(N_MODALITIES, device=ent_T.device).index_add(0, mod_T, ent_T)
-            ent_3 = ent_3 / n_3.clamp_min(1)
+            n_3 = count(mod_T, N_MODALITIES + 1)[:N_MODALITIES]
+            ent_3 = torch.zeros(N_MODALITIES + 1, device=ent_T.device).index_add(0, mod_T, ent_T)
+            ent_3 = ent_3[:N_MODALITIES] / n_3.clamp_min(1)
         return {"moe_seq_balance": cfg.seq_aux_weight * seq, "router_z": cfg.router_z_weight * z,
                 "load_3E": load_3E, "router_entropy_3": ent_3}
 

@@ -7,6 +7,10 @@ Three paths compute the same function y_T = sum_k w_TK * expert_{idx_TK}(x_T):
   one host sync), `torch.bmm`, gather back. Works everywhere.
 - `loop`: the reference; a Python loop over experts on the unsorted tokens.
 
+Tokens with `real_T` False (padding) are not routed: their rows go to a virtual expert E (sorted
+last, not counted), enter as zeros and leave as zeros; only grouped_mm runs those zero rows
+(with the last expert: no host sync to cut them off), the other paths skip them.
+
 Legend: T tokens, K top_k, R = T*K routed rows, E experts, D model dim, F expert hidden dim,
 C padded rows per expert.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from .ffn import swiglu
 
@@ -75,15 +80,20 @@ def count(idx: Tensor, n: int) -> Tensor:
 
 
 def sort_by_expert(idx_TK: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Rows grouped by expert: (token_R, slot_R (k index), expert_R, counts_E), stable order."""
+    """Rows grouped by expert: (token_R, slot_R (k index), expert_R, counts_E), stable order.
+    Rows of the virtual expert n_experts (padding) come last and are not in counts_E."""
     K = idx_TK.shape[1]
     order_R = torch.argsort(idx_TK.reshape(-1), stable=True)
-    counts_E = count(idx_TK, n_experts)
+    counts_E = count(idx_TK, n_experts + 1)[:n_experts]
     return order_R // K, order_R % K, idx_TK.reshape(-1)[order_R], counts_E
 
 
 def _experts_grouped(x_RD: Tensor, counts_E: Tensor, w_in_EDF2: Tensor, w_out_EFD: Tensor) -> Tensor:
+    # The last group runs to the end: virtual-expert (padding) rows, zeroed by the caller, ride
+    # along with the last expert. Rows past the last offset would be left uninitialised, and
+    # CPU grouped_mm's backward was seen to turn them into NaN weight gradients.
     offs_E = counts_E.cumsum(0).to(torch.int32)
+    offs_E[-1] = x_RD.shape[0]
     h_RF2 = torch._grouped_mm(x_RD, w_in_EDF2, offs=offs_E)
     return torch._grouped_mm(swiglu(h_RF2).contiguous(), w_out_EFD, offs=offs_E)
 
@@ -92,20 +102,22 @@ def _experts_batched(x_RD: Tensor, expert_R: Tensor, counts_E: Tensor, w_in_EDF2
                      w_out_EFD: Tensor) -> Tensor:
     E, R, D = counts_E.shape[0], x_RD.shape[0], x_RD.shape[1]
     C = max(int(counts_E.max()), 1) if R else 1  # host sync: the padded width
-    start_E = counts_E.cumsum(0) - counts_E
+    start_E = F.pad(counts_E.cumsum(0), (1, 0))
     dest_R = expert_R * C + torch.arange(R, device=x_RD.device) - start_E[expert_R]
-    buf_ECD = x_RD.new_zeros(E * C, D).index_copy(0, dest_R, x_RD).view(E, C, D)
+    dest_R = torch.where(expert_R < E, dest_R, E * C)  # virtual-expert rows: one spare slot
+    buf_ECD = x_RD.new_zeros(E * C + 1, D).index_copy(0, dest_R, x_RD)[:-1].view(E, C, D)
     h_ECF = swiglu(torch.bmm(buf_ECD, w_in_EDF2))  # padding rows stay exactly 0
     y_ECD = torch.bmm(h_ECF, w_out_EFD)
-    return y_ECD.reshape(E * C, D)[dest_R]
+    return F.pad(y_ECD.reshape(E * C, D), (0, 0, 0, 1))[dest_R]
 
 
 def experts_sorted(x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor, w_in_EDF2: Tensor, w_out_EFD: Tensor,
                    path: str) -> Tensor:
     """The fast paths: sort by expert, run all experts at once, weight and scatter-add back."""
-    dt = compute_dtype(x_TD)
-    token_R, slot_R, expert_R, counts_E = sort_by_expert(idx_TK, w_in_EDF2.shape[0])
-    x_RD = x_TD.to(dt)[token_R]
+    dt, E = compute_dtype(x_TD), w_in_EDF2.shape[0]
+    token_R, slot_R, expert_R, counts_E = sort_by_expert(idx_TK, E)
+    routed_R1 = (expert_R < E)[:, None]
+    x_RD = torch.where(routed_R1, x_TD.to(dt)[token_R], 0)
     w_in, w_out = w_in_EDF2.to(dt), w_out_EFD.to(dt)
     if path == "grouped_mm":
         y_RD = _experts_grouped(x_RD, counts_E, w_in, w_out)
@@ -113,7 +125,7 @@ def experts_sorted(x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor, w_in_EDF2: Tensor
         y_RD = _experts_batched(x_RD, expert_R, counts_E, w_in, w_out)
     else:
         raise ValueError(f"dispatch: must be one of {DISPATCH_PATHS} (got {path!r})")
-    y_RD = y_RD * w_TK[token_R, slot_R, None].to(y_RD.dtype)
+    y_RD = torch.where(routed_R1, y_RD * w_TK[token_R, slot_R, None].to(y_RD.dtype), 0)
     return torch.zeros_like(x_TD).index_add(0, token_R, y_RD.to(x_TD.dtype))  # sum the K rows
 
 
@@ -134,7 +146,10 @@ def experts_loop(x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor, w_in_EDF2: Tensor,
 
 
 def run_experts(x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor, w_in_EDF2: Tensor, w_out_EFD: Tensor,
-                dispatch: str) -> Tensor:
+                dispatch: str, real_T: Tensor | None = None) -> Tensor:
+    """sum_k w_TK * expert_{idx_TK}(x_T) for real tokens; 0 for the others (real_T False)."""
+    if real_T is not None:
+        idx_TK = torch.where(real_T[:, None], idx_TK, w_in_EDF2.shape[0])
     path = resolve_dispatch(dispatch, x_TD)
     if path == "loop":
         return experts_loop(x_TD, idx_TK, w_TK, w_in_EDF2, w_out_EFD)

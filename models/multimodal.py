@@ -40,6 +40,7 @@ class ModelOutput:
     captures: dict[int, dict]  # layer -> what `attend` recorded (q, k after RoPE, block selection)
     visual_embeds_ND: Tensor  # merged visual tokens before the scatter (patches / merge^2, D)
     visual_ssl: Tensor | None = None  # masked-patch reconstruction loss when forward got ssl_mask_N
+    attn_stats: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # forward(attn_stats=True)
 
 
 class MultimodalModel(nn.Module):
@@ -52,7 +53,7 @@ class MultimodalModel(nn.Module):
     def forward(self, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, span_ids_BS: Tensor,
                 modality_BS: Tensor, patches_NP: Tensor, grid_thw_M3: Tensor,
                 capture_layers: Collection[int] | None = None, compute_logits: bool = True,
-                ssl_mask_N: Tensor | None = None) -> ModelOutput:
+                ssl_mask_N: Tensor | None = None, attn_stats: bool = False) -> ModelOutput:
         """`ssl_mask_N` (bool, one per patch; see `vision.make_ssl_mask`) adds the vision encoder's
         masked-patch loss, computed here so that FSDP/DDP forward hooks cover its second pass.
         The decoder always sees the real, unmasked patches.
@@ -61,10 +62,10 @@ class MultimodalModel(nn.Module):
         visual_ssl = (None if ssl_mask_N is None
                       else self.vision.masked_patch_loss(patches_NP, grid_thw_M3, ssl_mask_N))
         out = self.decoder(tokens_BS, pos_ids_3BS, doc_ids_BS, span_ids_BS, modality_BS, visual_ND,
-                           capture_layers)
+                           capture_layers, attn_stats)
         logits_BSV = self.decoder.logits(out.hidden_BSD) if compute_logits else None
         return ModelOutput(logits_BSV, out.hidden_BSD, out.aux_losses, out.expert_load, out.router_entropy,
-                           out.captures, visual_ND, visual_ssl)
+                           out.captures, visual_ND, visual_ssl, out.attn_stats)
 
     def logits(self, hidden_BSD: Tensor) -> Tensor:
         """The LM head alone (for chunked cross-entropy over `hidden_BSD`)."""
@@ -99,5 +100,5 @@ class MultimodalModel(nn.Module):
         return count_params(self)
 
     def flops_per_token(self, seq_len: int, visual_fraction: float = 0.0,
-                        patches_per_medium: int = 256) -> float:
-        return flops_per_token(self, seq_len, visual_fraction, patches_per_medium)
+                        patches_per_medium: int = 256, attn_keys: dict[int, float] | None = None) -> float:
+        return flops_per_token(self, seq_len, visual_fraction, patches_per_medium, attn_keys)

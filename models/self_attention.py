@@ -34,7 +34,7 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
 
     def forward(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor, meta, cfg: AttentionConfig,
-                sparse: bool = False, capture: dict | None = None) -> Tensor:
+                sparse: bool = False, capture: dict | None = None, stats: dict | None = None) -> Tensor:
         B, S, _ = x_BSD.shape
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x_BSD).view(B, S, H + 2 * K, E).transpose(1, 2)  # (B, H + 2K, S, E)
@@ -43,7 +43,8 @@ class SelfAttention(nn.Module):
             q_BHSE, k_BKSE = self.q_norm(q_BHSE), self.k_norm(k_BKSE)
         q_BHSE = apply_rotary(q_BHSE, cos_B1SF, sin_B1SF)
         k_BKSE = apply_rotary(k_BKSE, cos_B1SF, sin_B1SF)
-        o_BHSE = attend(q_BHSE, k_BKSE, v_BKSE.contiguous(), meta, cfg, sparse=sparse, capture=capture)
+        o_BHSE = attend(q_BHSE, k_BKSE, v_BKSE.contiguous(), meta, cfg, sparse=sparse, capture=capture,
+                        stats=stats)
         return self.wo(o_BHSE.transpose(1, 2).reshape(B, S, H * E))
 
     def reset_parameters(self, std: float, out_std: float) -> None:

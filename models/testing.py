@@ -6,7 +6,7 @@ A document is a list of segments: a text segment is a 1-D tensor of token ids; a
 positions restart per document (text t = h = w = running position; a visual token at merged
 grid cell (t, h', w') gets running + (t, h', w'), the running position then moves past the
 largest); one span per image and per temporal slice of a video (unique within the row);
-padding is its own document; media numbered in row-major placeholder order.
+padding is document -1; media numbered in row-major placeholder order.
 
 Legend: B rows, S seq_len, N patches, P patch dim, M media.
 """
@@ -81,7 +81,7 @@ def pack(rows: list[list[list]], seq_len: int, patch_dim: int, merge: int = 2,
         pad = seq_len - n
         parts.append((torch.full((pad,), pad_token), torch.zeros(pad, dtype=torch.long),
                       torch.full((pad,), -1), torch.arange(pad).expand(3, pad),
-                      torch.full((pad,), len(docs))))
+                      torch.full((pad,), -1)))
         for key, i in (("tokens", 0), ("modality", 1), ("span", 2), ("doc", 4)):
             out[key].append(torch.cat([p[i] for p in parts]))
         out["pos"].append(torch.cat([p[3] for p in parts], dim=1))

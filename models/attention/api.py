@@ -1,7 +1,6 @@
 """`attend`: one attention function, several backends (see the package docstring).
 
-Legend: B batch, H query heads, K kv heads, S tokens, D head dim, Q query blocks, N key blocks,
-G selection heads (H or K).
+Legend: B batch, H query heads, K kv heads, S tokens, D head dim.
 """
 
 from __future__ import annotations
@@ -10,9 +9,10 @@ import torch
 
 from . import flash
 from .config import AttentionConfig
+from .counts import full_counts, sparse_counts
 from .dense import attend_dense
 from .flex import attend_flex
-from .gather import attend_gather
+from .gather import attend_gather_full, attend_gather_sparse
 from .meta import AttnMeta
 from .select import select_blocks
 
@@ -49,28 +49,33 @@ def resolve_backend(cfg: AttentionConfig, q_BHSD: Tensor, meta: AttnMeta, sparse
 
 
 def attend(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
-           sparse: bool, capture: dict | None = None) -> Tensor:
-    """Attention of q over k/v under the token rule (and, if `sparse`, the block selection).
+           sparse: bool, capture: dict | None = None, stats: dict | None = None) -> Tensor:
+    """Attention of q over k/v under the token rule (and, if `sparse`, the block rule).
 
     q (B, H, S, D); k, v (B, Hkv, S, D), H % Hkv == 0. Returns (B, H, S, D) in q's dtype; softmax
     scale 1/sqrt(D). With `capture`, stores "q", "k" (detached) and, for sparse layers,
-    "kv_blocks" = the (B, G, Q, N) bool selection used (G = H or Hkv per cfg.select_per).
+    "selection" (the `Selection` of picks). With `stats`, stores what the layer visits
+    (counts.py: keys, kept and reachable blocks, tokens; scalar tensors).
     """
     _check(q_BHSD, k_BKSD, v_BKSD, meta, cfg)
-    sel_BGQN = select_blocks(q_BHSD, k_BKSD, meta, cfg) if sparse else None
+    sel = select_blocks(q_BHSD, k_BKSD, meta, cfg) if sparse else None
     if capture is not None:
         capture["q"] = q_BHSD.detach()
         capture["k"] = k_BKSD.detach()
-        if sel_BGQN is not None:
-            capture["kv_blocks"] = sel_BGQN
+        if sel is not None:
+            capture["selection"] = sel
+    if stats is not None:
+        stats.update(sparse_counts(meta, cfg, sel) if sparse else full_counts(meta))
     backend = resolve_backend(cfg, q_BHSD, meta, sparse)
     if backend == "gather":
-        sel = sel_BGQN if sparse else meta.reach_BQN[:, None]
-        out = attend_gather(q_BHSD, k_BKSD, v_BKSD, meta, sel, cfg.gather_chunk, cfg.gather_checkpoint)
+        if sparse:
+            out = attend_gather_sparse(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
+        else:
+            out = attend_gather_full(q_BHSD, k_BKSD, v_BKSD, meta, cfg)
     elif backend == "flex":
-        out = attend_flex(q_BHSD, k_BKSD, v_BKSD, meta, sel_BGQN)
+        out = attend_flex(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
     elif backend == "flash":
         out = flash.attend_flash(q_BHSD, k_BKSD, v_BKSD, meta)
     else:
-        out = attend_dense(q_BHSD, k_BKSD, v_BKSD, meta, sel_BGQN, eager=cfg.dense_impl == "eager")
+        out = attend_dense(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel, eager=cfg.dense_impl == "eager")
     return out.to(q_BHSD.dtype)

@@ -15,10 +15,14 @@ class AttentionConfig:
     backend: Literal["auto", "dense", "gather", "flex", "flash"] = "auto"
     block_size: int = 64  # B in DESIGN.md
     window: int = 256  # sliding window in tokens (sparse layers)
-    top_k: int = 4  # selected earlier key blocks per query block
+    top_k: int = 4  # selected completed earlier key blocks of the document
     sink: bool = True  # keep the document's first block
-    visual_always: bool = True  # keep every visual block of the same document
+    visual_always: bool = True  # keep every earlier visual block of the same document
     select_per: Literal["head", "kv_group"] = "kv_group"
+    # Who scores the top-k candidates (both causal, see select.py): "token" = each query token
+    # with its own q (MoBA's rule, the reference); "block" = one choice per query block, scored
+    # with the mean query of the previous block of the document (fewer distinct blocks to gather).
+    select: Literal["token", "block"] = "token"
     # Extensions (all defaulted): implementation knobs that never change the function computed.
     dense_impl: Literal["sdpa", "eager"] = "sdpa"  # eager = the fp32 reference
     gather_chunk: int = 32  # query blocks per gather chunk (bounds the transient memory)
@@ -35,6 +39,8 @@ class AttentionConfig:
             raise ValueError(f"top_k: must be >= 0 (got {self.top_k})")
         if self.select_per not in ("head", "kv_group"):
             raise ValueError(f"select_per: must be 'head' or 'kv_group' (got {self.select_per!r})")
+        if self.select not in ("token", "block"):
+            raise ValueError(f"select: must be 'token' or 'block' (got {self.select!r})")
         if self.dense_impl not in ("sdpa", "eager"):
             raise ValueError(f"dense_impl: must be 'sdpa' or 'eager' (got {self.dense_impl!r})")
         if self.gather_chunk < 1:

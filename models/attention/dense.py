@@ -1,7 +1,10 @@
 """The dense reference backend: materialise the (B, H, S, S) mask; eager fp32 softmax or SDPA.
 
-Legend: B batch, H query heads, K kv heads, S tokens, D head dim, Q query blocks, N key blocks,
-G selection heads (H or K), Bs block size.
+The mask is the token rule AND, for a sparse layer, the block rule (`blocks.kept`) evaluated for
+every (query, key) pair of a document with doc-relative block numbers: no lists, no layout.
+
+Legend: B batch, H query heads, K kv heads, S tokens, D head dim, G selection heads (H or K),
+k = top_k.
 """
 
 from __future__ import annotations
@@ -11,28 +14,43 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .blocks import kept
+from .config import AttentionConfig
 from .meta import AttnMeta, token_mask
+from .select import Selection
 
 Tensor = torch.Tensor
 
 
-def expand_blocks(sel_BGQN: Tensor, H: int, block_size: int, S: int) -> Tensor:
-    """Block selection -> token-level (B, H, S, S) bool (H from G by repeating each group)."""
-    x_BGSS = sel_BGQN.repeat_interleave(block_size, -1).repeat_interleave(block_size, -2)
-    x_BGSS = x_BGSS[..., :S, :S]
-    return x_BGSS.repeat_interleave(H // sel_BGQN.shape[1], 1)
+def key_visual_BS(meta: AttnMeta) -> Tensor:
+    """Per token: its document block holds a visual token (the visual_always rule, per key)."""
+    return meta.aligned().vis_BA.gather(1, meta.ablk_BS)
 
 
-def dense_mask(meta: AttnMeta, sel_BGQN: Tensor | None, H: int) -> Tensor:
-    """(B, 1 or H, S, S) bool: the token rule, AND the block selection of a sparse layer."""
+def rule_rows(meta: AttnMeta, cfg: AttentionConfig | None, sel: Selection | None, b_R: Tensor,
+              i_R: Tensor) -> Tensor:
+    """(G or 1, R, S) bool: what query rows (b_R, i_R) may attend, over all S keys of their row."""
     S = meta.seq_len
-    doc_BS, span_BS = meta.doc_BP[:, :S], meta.span_BP[:, :S]
-    pos_S = torch.arange(S, device=doc_BS.device)
-    mask_BSS = token_mask(doc_BS[:, :, None], span_BS[:, :, None], pos_S[:, None],
-                          doc_BS[:, None, :], span_BS[:, None, :], pos_S[None, :])
-    if sel_BGQN is None:
-        return mask_BSS[:, None]
-    return mask_BSS[:, None] & expand_blocks(sel_BGQN, H, meta.block_size, S)
+    pos_S = torch.arange(S, device=meta.doc_BS.device)
+    doc_RS, skey_RS = meta.doc_BS[b_R], meta.skey_BS[b_R]
+    mask_RS = token_mask(meta.doc_BS[b_R, i_R, None], meta.skey_BS[b_R, i_R, None], i_R[:, None],
+                         doc_RS, skey_RS, pos_S[None])
+    if sel is None:
+        return mask_RS[None]
+    nblk_BS = meta.nblk_BS
+    picks_GRk = sel.row(meta)[b_R, :, i_R].transpose(0, 1)
+    keep_GRS = kept(cfg, nblk_BS[b_R, i_R, None], nblk_BS[b_R], key_visual_BS(meta)[b_R],
+                    meta.clo_BS[b_R, i_R, None], meta.chi_BS[b_R, i_R, None], picks_GRk[:, :, None, :])
+    return mask_RS[None] & keep_GRS
+
+
+def dense_mask(meta: AttnMeta, cfg: AttentionConfig | None, sel: Selection | None, H: int) -> Tensor:
+    """(B, 1 or H, S, S) bool: the token rule, AND the block rule of a sparse layer."""
+    B, S = meta.batch, meta.seq_len
+    i_S = torch.arange(S, device=meta.doc_BS.device)
+    rows = [rule_rows(meta, cfg, sel, torch.full_like(i_S, b), i_S) for b in range(B)]
+    mask_BGSS = torch.stack(rows)
+    return mask_BGSS if mask_BGSS.shape[1] == 1 else mask_BGSS.repeat_interleave(H // mask_BGSS.shape[1], 1)
 
 
 def dense_probs(q_BHSD: Tensor, k_BKSD: Tensor, mask_BHSS: Tensor) -> Tensor:
@@ -44,13 +62,12 @@ def dense_probs(q_BHSD: Tensor, k_BKSD: Tensor, mask_BHSS: Tensor) -> Tensor:
     return s_BHSS.masked_fill(~mask_BHSS, float("-inf")).softmax(-1)
 
 
-def attend_dense(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta,
-                 sel_BGQN: Tensor | None, eager: bool) -> Tensor:
+def attend_dense(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+                 sel: Selection | None, eager: bool) -> Tensor:
     H, K = q_BHSD.shape[1], k_BKSD.shape[1]
-    mask_BHSS = dense_mask(meta, sel_BGQN, H)
+    mask_BHSS = dense_mask(meta, cfg, sel, H)
     if eager:
         p_BHSS = dense_probs(q_BHSD, k_BKSD, mask_BHSS)
         v_BHSD = v_BKSD.to(p_BHSS.dtype).repeat_interleave(H // K, 1)
         return (p_BHSS @ v_BHSD).to(q_BHSD.dtype)
-    return F.scaled_dot_product_attention(q_BHSD, k_BKSD, v_BKSD, attn_mask=mask_BHSS,
-                                          enable_gqa=H != K)
+    return F.scaled_dot_product_attention(q_BHSD, k_BKSD, v_BKSD, attn_mask=mask_BHSS, enable_gqa=H != K)

@@ -41,7 +41,7 @@ def usable(q_BHSD: Tensor, meta: AttnMeta, sparse: bool) -> bool:
 
 def cu_seqlens(meta: AttnMeta) -> tuple[Tensor, int]:
     """Start offsets of every document run in the (B * S) packed token order, and the longest run."""
-    doc_BS = meta.doc_BP[:, : meta.seq_len]
+    doc_BS = meta.doc_BS
     B, S = doc_BS.shape
     start_BS = torch.ones_like(doc_BS, dtype=torch.bool)
     start_BS[:, 1:] = doc_BS[:, 1:] != doc_BS[:, :-1]

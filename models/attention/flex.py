@@ -1,20 +1,20 @@
-"""The `flex` backend: FlexAttention with a BlockMask built from the selected blocks + the token rule.
+"""The `flex` backend: FlexAttention with a BlockMask from the block lists + the rules in mask_mod.
 
-Blocks selected whose every (i, j) pair is allowed (earlier block, one document, no padding) go in
-the BlockMask's "full" lists (no mask_mod evaluated there); the rest are "partial" and evaluate
-the token rule. The mask_mod also tests the block selection itself: FlexAttention's contract is
-that mask_mod is the ground truth and the BlockMask only an optimisation (the unfused eager path
-ignores the block lists), so both must say the same thing. The compiled kernel is the CUDA
-training path; on CPU (torch 2.13) compiled flex is inference only, so `attend_flex` refuses to
-build a graph for backward there.
+mask_mod is the ground truth (the token rule, and for sparse layers the block rule with the
+per-token picks); the BlockMask lists every kernel tile pair where mask_mod can be true, so the
+kernel skips the rest. Sparse layers run on the aligned layout (meta.py), as in `gather`: their
+tile lists are `blocks.sparse_lists`, coarsened to flex's tile. Full layers run on the row
+layout: a tile visits the range of tiles its tokens can reach (`blocks.full_intervals`), and
+tile pairs inside one document strictly below the diagonal go in the "full" lists (no mask_mod
+evaluated there). The compiled kernel is the CUDA training path; on CPU (torch 2.13) compiled
+flex is inference only, so `attend_flex` refuses to build a graph for backward there.
 
-Flex's Triton kernels need the BlockMask's block size to be a multiple of their tiles (64/128), so
-the BlockMask is built at Bf = lcm(Bs, 128) (a coarse block is listed if any of its Bs-blocks is
-selected; "full" only if all are) while mask_mod tests the exact Bs-block selection.
+Flex's Triton kernels need the BlockMask's block size to be a multiple of their tiles (128), so
+the BlockMask is built at Bf = lcm(Bs, 128) (a coarse pair is listed if any of its Bs-pairs is).
 
-Legend: B batch, H query heads, K kv heads, S tokens, D head dim, Q query blocks, N key blocks,
-G selection heads (H, K or 1), Bs block size, Bf = lcm(Bs, 128) flex block size, f = Bf // Bs,
-X / Y coarse query / key blocks.
+Legend: B batch, H query heads, K kv heads, S tokens, D head dim, G selection heads (H, K),
+Bs block size, Bf = lcm(Bs, 128) flex block size, f = Bf // Bs, X / Y coarse query / key tiles,
+A aligned blocks, L aligned slots, T listed blocks per tile, k = top_k.
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .blocks import full_intervals, kept, sparse_lists
+from .config import AttentionConfig
 from .meta import AttnMeta, token_mask
+from .select import Selection, from_aligned, to_aligned
 
 Tensor = torch.Tensor
 
@@ -38,68 +41,114 @@ def compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _kv_lists(sel_BGQN: Tensor) -> tuple[Tensor, Tensor]:
-    num_BGQ = sel_BGQN.sum(-1).to(torch.int32)
-    idx_BGQN = (~sel_BGQN).to(torch.uint8).sort(dim=-1, stable=True).indices.to(torch.int32)
-    return num_BGQ, idx_BGQN
+def _kv_lists(sel_BGXY: Tensor) -> tuple[Tensor, Tensor]:
+    num_BGX = sel_BGXY.sum(-1).to(torch.int32)
+    idx_BGXY = (~sel_BGXY).to(torch.uint8).sort(dim=-1, stable=True).indices.to(torch.int32)
+    return num_BGX, idx_BGXY
 
 
-def build_block_mask(meta: AttnMeta, sel_BGQN: Tensor | None, H: int):
-    """BlockMask for a full layer (sel None: every reachable block) or a sparse one."""
+def _pad(x_BL: Tensor, extra: int, value) -> Tensor:
+    """Tables long enough for any kernel tile overrun past the end."""
+    fill = torch.as_tensor(value, dtype=x_BL.dtype, device=x_BL.device).expand(x_BL.shape[0], extra)
+    return torch.cat([x_BL, fill], 1)
+
+
+def _coarse_table(lists_BGAT: Tensor, A: int, f: int) -> Tensor:
+    """(B, G, A, T) fine lists (null = A) -> (B, G, X, X) bool coarse tile pairs."""
+    B, G, _, T = lists_BGAT.shape
+    X = -(-A // f)
+    fine_BGXT = F.pad(lists_BGAT, (0, 0, 0, X * f - A), value=A).view(B, G, X, f * T)
+    coarse_BGXT = torch.where(fine_BGXT < A, fine_BGXT // f, X)
+    table_BGXY = torch.zeros(B, G, X, X + 1, dtype=torch.bool, device=lists_BGAT.device)
+    return table_BGXY.scatter_(-1, coarse_BGXT, True)[..., :X]
+
+
+def sparse_block_mask(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, H: int):
+    """BlockMask of a sparse layer over the aligned layout (L slots)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    sel_BGQN = meta.reach_BQN[:, None] if sel_BGQN is None else sel_BGQN
-    if sel_BGQN.shape[1] not in (1, H):
-        sel_BGQN = sel_BGQN.repeat_interleave(H // sel_BGQN.shape[1], 1)
-    # Tables long enough for any kernel tile overrun past the padded length.
-    extra = 2 * max(128, meta.block_size)
-    doc_BX = torch.cat([meta.doc_BP, meta.doc_BP[:, -1:].expand(-1, extra)], 1)  # no host sync
-    span_BX = F.pad(meta.span_BP, (0, extra), value=-1)
-
-    Bs, G = meta.block_size, sel_BGQN.shape[1]
-    nx = doc_BX.shape[1] // Bs + 1
-    sel_BGXX = F.pad(sel_BGQN, (0, nx - sel_BGQN.shape[-1], 0, nx - sel_BGQN.shape[-2]))
+    lay = meta.aligned()
+    A, Bs, L = lay.num_blocks, cfg.block_size, lay.num_slots
+    Bf = math.lcm(Bs, 128)
+    lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
+    table_BGXY = _coarse_table(lists_BGAT, A, Bf // Bs)
+    if table_BGXY.shape[1] not in (1, H):
+        table_BGXY = table_BGXY.repeat_interleave(H // table_BGXY.shape[1], 1)
+    extra = 2 * Bf
+    doc_BL, skey_BL = _pad(lay.doc_BL, extra, meta.null), _pad(lay.skey_BL, extra, -(2**50))
+    clo_BL, chi_BL = _pad(lay.clo_BL, extra, 1), _pad(lay.chi_BL, extra, 0)
+    beyond_BE = torch.arange(A, A + extra, device=doc_BL.device).expand(meta.batch, -1)
+    first_BA = torch.cat([lay.first_BA, beyond_BE], 1)
+    vis_BA = F.pad(lay.vis_BA, (0, extra))
+    G, k = sel.picks_BGLk.shape[1], sel.picks_BGLk.shape[-1]
+    picks = [F.pad(sel.picks_BGLk[..., j], (0, extra), value=-1) for j in range(k)]  # k tables (B, G, L)
+    R = H // G
 
     def mask_mod(b, h, q_idx, kv_idx):
-        rule = token_mask(doc_BX[b, q_idx], span_BX[b, q_idx], q_idx, doc_BX[b, kv_idx], span_BX[b, kv_idx],
+        rule = token_mask(doc_BL[b, q_idx], skey_BL[b, q_idx], q_idx, doc_BL[b, kv_idx], skey_BL[b, kv_idx],
                           kv_idx)
-        return rule & sel_BGXX[b, h if G > 1 else 0, q_idx // Bs, kv_idx // Bs]
+        qa, ka = q_idx // Bs, kv_idx // Bs
+        nq, nk = qa - first_BA[b, qa], ka - first_BA[b, ka]
+        keep = kept(cfg, nq, nk, vis_BA[b, ka], clo_BL[b, q_idx], chi_BL[b, q_idx])
+        for p_BGL in picks:
+            keep = keep | (p_BGL[b, h // R, q_idx] == nk)
+        return rule & keep
 
+    n_part, i_part = _kv_lists(table_BGXY)
+    return BlockMask.from_kv_blocks(n_part, i_part, BLOCK_SIZE=Bf, mask_mod=mask_mod, seq_lengths=(L, L))
+
+
+def full_block_mask(meta: AttnMeta):
+    """BlockMask of a full layer over the row layout (cached per forward: every full layer shares it)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if "flex_full" in meta.cache:
+        return meta.cache["flex_full"]
+    B, S, Bs = meta.batch, meta.seq_len, meta.block_size
     Bf = math.lcm(Bs, 128)
-    full_BGXY = _coarsen(sel_BGQN & meta.full_BQN[:, None], Bf // Bs, "all")
-    part_BGXY = _coarsen(sel_BGQN, Bf // Bs, "any") & ~full_BGXY  # a block sits in one list only
-    n_part, i_part = _kv_lists(part_BGXY)
-    n_full, i_full = _kv_lists(full_BGXY)
-    S = meta.seq_len
-    return BlockMask.from_kv_blocks(n_part, i_part, n_full, i_full, BLOCK_SIZE=Bf, mask_mod=mask_mod,
-                                    seq_lengths=(S, S))
-
-
-def _coarsen(x_BGQN: Tensor, f: int, how: str) -> Tensor:
-    """(B, G, Q, N) -> (B, G, X, Y) over f x f groups of blocks ("any" / "all"; padding counts False)."""
-    if f == 1:
-        return x_BGQN
-    B, G, Q, _ = x_BGQN.shape
+    f, Q = Bf // Bs, meta.num_blocks
     X = -(-Q // f)
-    x_BGQN = F.pad(x_BGQN, (0, X * f - Q, 0, X * f - Q))
-    x_BGXfYf = x_BGQN.view(B, G, X, f, X, f)
-    return x_BGXfYf.any(5).any(3) if how == "any" else x_BGXfYf.all(5).all(3)
+    lo_BQ, hi_BQ = full_intervals(meta)
+    lo_BX = F.pad(lo_BQ, (0, X * f - Q), value=2**40).view(B, X, f).amin(-1) // f
+    hi_BX = F.pad(hi_BQ, (0, X * f - Q), value=-1).view(B, X, f).amax(-1) // f
+    y_Y = torch.arange(X, device=lo_BQ.device)
+    reach_BXY = (y_Y >= lo_BX[..., None]) & (y_Y <= hi_BX[..., None])
+    # Full pairs: tile X lies in one document entirely, tile Y < X too (then every j < i).
+    doc_BP = F.pad(meta.doc_BS, (0, X * Bf - S), value=-(2**40))
+    d_BXf = doc_BP.view(B, X, Bf)
+    one_BX = (d_BXf == d_BXf[..., :1]).all(-1) & (d_BXf[..., 0] > -(2**40))
+    first_BX = F.pad(meta.first_BS, (0, X * Bf - S)).view(B, X, Bf)[..., 0]
+    lo_full_BX = -(-first_BX // Bf)
+    full_BXY = (one_BX[..., None] & (y_Y >= lo_full_BX[..., None]) & (y_Y < y_Y[:, None]) & reach_BXY
+                & meta.docs_contiguous)
+    extra = 2 * Bf
+    doc_BX, skey_BX = _pad(meta.doc_BS, X * Bf - S + extra, meta.null), meta.skey_BS
+    pad_BE = -torch.arange(S + 1, X * Bf + extra + 1, device=skey_BX.device).expand(B, -1)
+    skey_BX = torch.cat([skey_BX, pad_BE], 1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return token_mask(doc_BX[b, q_idx], skey_BX[b, q_idx], q_idx, doc_BX[b, kv_idx], skey_BX[b, kv_idx],
+                          kv_idx)
+
+    n_part, i_part = _kv_lists((reach_BXY & ~full_BXY)[:, None])
+    n_full, i_full = _kv_lists(full_BXY[:, None])
+    meta.cache["flex_full"] = BlockMask.from_kv_blocks(n_part, i_part, n_full, i_full, BLOCK_SIZE=Bf,
+                                                       mask_mod=mask_mod, seq_lengths=(S, S))
+    return meta.cache["flex_full"]
 
 
-def attend_flex(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, sel_BGQN: Tensor | None,
-                compiled: bool = True) -> Tensor:
+def attend_flex(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+                sel: Selection | None, compiled: bool = True) -> Tensor:
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHSD, k_BKSD, v_BKSD))
     if needs_grad and q_BHSD.device.type != "cuda":
         raise RuntimeError("backend: flex has no backward on CPU in this torch; use 'gather' or 'auto'")
     H, K = q_BHSD.shape[1], k_BKSD.shape[1]
-    if sel_BGQN is None:  # full layers share one BlockMask per forward
-        if ("flex_full", H) not in meta.cache:
-            meta.cache[("flex_full", H)] = build_block_mask(meta, None, H)
-        block_mask = meta.cache[("flex_full", H)]
-    else:
-        block_mask = build_block_mask(meta, sel_BGQN, H)
     if compiled:
         fn = compiled_flex()
     else:
         from torch.nn.attention.flex_attention import flex_attention as fn
-    return fn(q_BHSD, k_BKSD, v_BKSD, block_mask=block_mask, enable_gqa=H != K)
+    if sel is None:
+        return fn(q_BHSD, k_BKSD, v_BKSD, block_mask=full_block_mask(meta), enable_gqa=H != K)
+    q_BHLD, k_BKLD, v_BKLD = (to_aligned(x, meta) for x in (q_BHSD, k_BKSD, v_BKSD))
+    out_BHLD = fn(q_BHLD, k_BKLD, v_BKLD, block_mask=sparse_block_mask(meta, cfg, sel, H), enable_gqa=H != K)
+    return from_aligned(out_BHLD, meta)

@@ -1,20 +1,20 @@
 """The `gather` backend: pure PyTorch block-sparse attention, trainable on CPU and GPU.
 
-Per query block, the selected key blocks (a fixed count T per layer call = the most any query block
-selected; shorter lists are padded with a "null" block whose keys match no query) are gathered, the
-token rule is applied inside them, and a softmax over the T * Bs gathered keys gives the output.
-Vectorised over query blocks, processed in chunks of query blocks to bound the transient memory;
-with `gather_checkpoint` each chunk is recomputed in backward (activation memory O(S * D) + the
-chunk's transient O(C * T * Bs^2)); without it autograd keeps O(S * T * Bs) probabilities.
-Full (non-sparse) layers use the same kernel with the selection = every reachable block
-(same document, not in the future except span closures): exact, and never S x S.
-The token rule is evaluated as doc[i] == doc[j] and (j <= i or skey[i] == skey[j]) with the span
-key of `AttnMeta` (equal iff same (doc, span) visual span, or i == j): the same rule, fewer passes.
+A tile is a block of Bs query tokens; per tile the key blocks it visits (a fixed count T per
+call, shorter lists padded with a null block whose keys match no query) are gathered, the token
+rule (and for sparse layers the per-token block rule, `blocks.kept`) is applied inside them, and
+a softmax over the T * Bs gathered keys gives the output. Vectorised over tiles, processed in
+chunks of tiles to bound the transient memory; with `gather_checkpoint` each chunk is recomputed
+in backward (activation memory O(S * D) + one chunk's O(C * T * Bs^2)).
+  * sparse layers run on the aligned layout (meta.py): tiles are document blocks, the lists
+    come from `blocks.sparse_lists`;
+  * full layers run on the row layout: a tile visits the contiguous range of row blocks its
+    tokens can reach (`blocks.full_intervals`), generated per chunk, never stored as Q x T.
 
-Legend: B batch, H query heads, K kv heads, S tokens, P padded tokens (= Q * Bs), D head dim,
-Q query blocks, N key blocks, X = N + 1 (with the null block), G selection heads (H or K),
-R = H // G query heads per selection head, M = R * Bs query rows of a block, C query blocks in a
-chunk, T gathered blocks per query block, J = T * Bs gathered keys, Bs block size.
+Legend: B batch, H query heads, K kv heads, S tokens, D head dim, G selection heads (H, K),
+R = H // G query heads per selection head, Bs block size, M = R * Bs query rows of a tile,
+X tiles + the null block, C tiles in a chunk, T gathered blocks per tile, J = T * Bs keys,
+A aligned blocks, L = A * Bs aligned slots, Q row blocks, P = Q * Bs.
 """
 
 from __future__ import annotations
@@ -25,29 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .blocks import full_intervals, sparse_lists, tile_keep
+from .config import AttentionConfig
 from .meta import AttnMeta
+from .select import Selection, from_aligned, to_aligned
 
 Tensor = torch.Tensor
 _MAX_SCORE_ELEMS = 2**25  # cap on a chunk's score tensor (elements), whatever gather_chunk says
 
 
-def gather_indices(sel_BGQN: Tensor, rows: int = 1024) -> tuple[Tensor, int]:
-    """Selected block ids, ascending, padded with the null block id N to the max count T: (B, G, Q, T).
-
-    Done in chunks of query-block rows with int32 keys, so the transient stays O(rows * N)."""
-    B, G, Q, N = sel_BGQN.shape
-    T = max(int(sel_BGQN.sum(-1).amax()), 1)
-    rank_N = torch.arange(N, 0, -1, device=sel_BGQN.device, dtype=torch.int32)  # earlier block: larger key
-    idx_BGQT = torch.empty(B, G, Q, T, dtype=torch.long, device=sel_BGQN.device)
-    for r0 in range(0, Q, rows):
-        key_BGrN = sel_BGQN[:, :, r0:r0 + rows] * rank_N
-        val_BGrT, i_BGrT = key_BGrN.topk(T, dim=-1)
-        idx_BGQT[:, :, r0:r0 + rows] = torch.where(val_BGrT > 0, i_BGrT, N)
-    return idx_BGQT, T
-
-
 def _chunk(q_BGCMD: Tensor, k_BGXbD: Tensor, v_BGXbD: Tensor, idx_BGCT: Tensor, doc_BXb: Tensor,
-           skey_BXb: Tensor, pos_Xb: Tensor, c0: int) -> Tensor:
+           skey_BXb: Tensor, pos_Xb: Tensor, c0: int, keep_BGCbT: Tensor | None) -> Tensor:
     B, G, C, M, D = q_BGCMD.shape
     T, Bs = idx_BGCT.shape[-1], k_BGXbD.shape[-2]
     b_B111 = torch.arange(B, device=idx_BGCT.device).view(B, 1, 1, 1)
@@ -63,6 +51,8 @@ def _chunk(q_BGCMD: Tensor, k_BGXbD: Tensor, v_BGXbD: Tensor, idx_BGCT: Tensor, 
     qpos_1Cb1 = pos_Xb[None, c0:c0 + C, :, None]
     mask_BGCbJ = (doc_B1Cb1 == doc_BGCJ[:, :, :, None]) & (
         (kpos_BGCJ[:, :, :, None] <= qpos_1Cb1) | (skey_B1Cb1 == skey_BGCJ[:, :, :, None]))
+    if keep_BGCbT is not None:
+        mask_BGCbJ = mask_BGCbJ & keep_BGCbT.repeat_interleave(Bs, -1)
     s_BGCMJ = q_BGCMD @ k_BGCJD.transpose(-1, -2)
     s_BGCMJ = s_BGCMJ.to(torch.promote_types(s_BGCMJ.dtype, torch.float32))
     s_BGCRbJ = s_BGCMJ.view(B, G, C, M // Bs, Bs, T * Bs).masked_fill(~mask_BGCbJ[:, :, :, None], -math.inf)
@@ -70,40 +60,97 @@ def _chunk(q_BGCMD: Tensor, k_BGXbD: Tensor, v_BGXbD: Tensor, idx_BGCT: Tensor, 
     return p_BGCMJ.to(v_BGCJD.dtype) @ v_BGCJD
 
 
-def attend_gather(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, sel_BGQN: Tensor,
-                  chunk: int = 32, use_checkpoint: bool = True) -> Tensor:
-    """Attention restricted to the selected blocks (sel G = H, K, or 1 for a head-independent one)."""
-    B, H, S, D = q_BHSD.shape
-    K = k_BKSD.shape[1]
-    Q, Bs, P = meta.num_blocks, meta.block_size, meta.padded_len
-    if sel_BGQN.shape[1] == 1 and "gather_full" in meta.cache:  # full layers: same lists every layer
-        idx_BGQT, T = meta.cache["gather_full"]
-    else:
-        idx_BGQT, T = gather_indices(sel_BGQN)
-        if sel_BGQN.shape[1] == 1:
-            meta.cache["gather_full"] = (idx_BGQT, T)
-    if sel_BGQN.shape[1] == 1:  # head-independent selection: gather per kv head
-        idx_BGQT = idx_BGQT.expand(B, K, Q, T)
-    G, R = idx_BGQT.shape[1], H // idx_BGQT.shape[1]
-    pad = (0, 0, 0, P + Bs - S)  # whole blocks + the null block
-    k_BKXD, v_BKXD = F.pad(k_BKSD, pad), F.pad(v_BKSD, pad)
-    if G == H and H != K:
-        k_BKXD, v_BKXD = k_BKXD.repeat_interleave(H // K, 1), v_BKXD.repeat_interleave(H // K, 1)
-    k_BGXbD, v_BGXbD = k_BKXD.view(B, G, Q + 1, Bs, D), v_BKXD.view(B, G, Q + 1, Bs, D)
-    q_BGRQbD = F.pad(q_BHSD * (1 / math.sqrt(D)), pad[:3] + (P - S,)).view(B, G, R, Q, Bs, D)
-    q_BGQMD = q_BGRQbD.permute(0, 1, 3, 2, 4, 5).reshape(B, G, Q, R * Bs, D)
-    null = meta.doc_BP.amin() - 1  # a doc no query has
-    doc_BXb = torch.cat([meta.doc_BP, null.expand(B, Bs)], 1).view(B, Q + 1, Bs)
-    skey_BXb = F.pad(meta.skey_BP, (0, Bs), value=-(P + 1)).view(B, Q + 1, Bs)
-    pos_Xb = torch.arange(P + Bs, device=q_BHSD.device).view(Q + 1, Bs)
-    C = max(1, min(chunk, _MAX_SCORE_ELEMS // (B * H * Bs * T * Bs)))
-    ckpt = use_checkpoint and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q_BHSD, k_BKSD, v_BKSD))
+def _tiles(x_BHPD: Tensor, G: int, X: int, Bs: int) -> Tensor:
+    """(B, H, X * Bs, D) queries -> (B, G, X, R * Bs, D) (R heads of a selection head per tile)."""
+    B, H, _, D = x_BHPD.shape
+    x_BGRXbD = x_BHPD.view(B, G, H // G, X, Bs, D)
+    return x_BGRXbD.permute(0, 1, 3, 2, 4, 5).reshape(B, G, X, H // G * Bs, D)
+
+
+def _untile(out_BGXMD: Tensor, H: int, Bs: int) -> Tensor:
+    B, G, X, M, D = out_BGXMD.shape
+    return out_BGXMD.view(B, G, X, H // G, Bs, D).permute(0, 1, 3, 2, 4, 5).reshape(B, H, X * Bs, D)
+
+
+def _kv_blocks(x_BKPD: Tensor, G: int, Bs: int) -> Tensor:
+    """(B, K, X * Bs, D) -> (B, G, X + 1, Bs, D) with the null block appended (zeros)."""
+    B, K, P, D = x_BKPD.shape
+    x_BKPD = F.pad(x_BKPD, (0, 0, 0, Bs))
+    if G != K:
+        x_BKPD = x_BKPD.repeat_interleave(G // K, 1)
+    return x_BKPD.view(B, G, P // Bs + 1, Bs, D)
+
+
+def _run(q_BGXMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, chunk, ckpt, lists) -> Tensor:
+    """Loop over chunks of tiles; `lists(c0, C)` -> (idx_BGCT, keep_BGCbT or None)."""
+    B, G, X, M, D = q_BGXMD.shape
+    Bs = k_BGXbD.shape[-2]
+    pos_Xb = torch.arange((X + 1) * Bs, device=q_BGXMD.device).view(X + 1, Bs)
     outs = []
-    for c0 in range(0, Q, C):
-        args = (q_BGQMD[:, :, c0:c0 + C], k_BGXbD, v_BGXbD, idx_BGQT[:, :, c0:c0 + C], doc_BXb, skey_BXb,
-                pos_Xb, c0)
+    c0, C = 0, chunk
+    while c0 < X:
+        idx_BGCT, keep_BGCbT = lists(c0, min(C, X - c0))
+        args = (q_BGXMD[:, :, c0:c0 + idx_BGCT.shape[2]], k_BGXbD, v_BGXbD, idx_BGCT, doc_BXb, skey_BXb,
+                pos_Xb, c0, keep_BGCbT)
         outs.append(checkpoint(_chunk, *args, use_reentrant=False) if ckpt else _chunk(*args))
-    out_BGQRbD = torch.cat(outs, dim=2).view(B, G, Q, R, Bs, D)
-    out_BHPD = out_BGQRbD.permute(0, 1, 3, 2, 4, 5).reshape(B, H, P, D)
-    return out_BHPD[:, :, :S].to(q_BHSD.dtype)
+        c0 += idx_BGCT.shape[2]
+    return torch.cat(outs, dim=2)
+
+
+def _chunk_size(chunk: int, B: int, H: int, Bs: int, T: int) -> int:
+    return max(1, min(chunk, _MAX_SCORE_ELEMS // max(1, B * H * Bs * T * Bs)))
+
+
+def _wants_ckpt(use_checkpoint: bool, *xs: Tensor) -> bool:
+    return use_checkpoint and torch.is_grad_enabled() and any(t.requires_grad for t in xs)
+
+
+def attend_gather_sparse(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+                         sel: Selection) -> Tensor:
+    """A sparse layer on the aligned layout (every tile one document block)."""
+    lay = meta.aligned()
+    B, H, S, D = q_BHSD.shape
+    A, Bs = lay.num_blocks, cfg.block_size
+    lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
+    G, T = lists_BGAT.shape[1], lists_BGAT.shape[-1]
+    q_BGAMD = _tiles(to_aligned(q_BHSD * (1 / math.sqrt(D)), meta), G, A, Bs)
+    k_BGXbD = _kv_blocks(to_aligned(k_BKSD, meta), G, Bs)
+    v_BGXbD = _kv_blocks(to_aligned(v_BKSD, meta), G, Bs)
+    doc_BXb = torch.cat([lay.doc_BL, meta.null.expand(B, Bs)], 1).view(B, A + 1, Bs)
+    skey_BXb = torch.cat([lay.skey_BL, lay.skey_BL.new_full((B, Bs), -(2**50))], 1).view(B, A + 1, Bs)
+    picks_BGLk = sel.picks_BGLk
+
+    def lists(c0: int, C: int):
+        idx_BGCT = lists_BGAT[:, :, c0:c0 + C]
+        return idx_BGCT, tile_keep(meta, cfg, idx_BGCT, c0, picks_BGLk)
+
+    C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
+    ckpt = _wants_ckpt(cfg.gather_checkpoint, q_BHSD, k_BKSD, v_BKSD)
+    out_BGAMD = _run(q_BGAMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, C, ckpt, lists)
+    return from_aligned(_untile(out_BGAMD, H, Bs), meta).to(q_BHSD.dtype)
+
+
+def attend_gather_full(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig
+                       ) -> Tensor:
+    """A full layer on the row layout: each tile visits every block its tokens can reach."""
+    B, H, S, D = q_BHSD.shape
+    K, Q, Bs, P = k_BKSD.shape[1], meta.num_blocks, meta.block_size, meta.padded_len
+    lo_BQ, hi_BQ = full_intervals(meta)
+    T = max(int((hi_BQ - lo_BQ + 1).amax()), 1)
+    pad = (0, 0, 0, P - S)
+    q_BKQMD = _tiles(F.pad(q_BHSD * (1 / math.sqrt(D)), pad), K, Q, Bs)
+    k_BKXbD, v_BKXbD = _kv_blocks(F.pad(k_BKSD, pad), K, Bs), _kv_blocks(F.pad(v_BKSD, pad), K, Bs)
+    doc_BXb = torch.cat([meta.padded("doc"), meta.null.expand(B, Bs)], 1).view(B, Q + 1, Bs)
+    skey_BXb = torch.cat([meta.padded("skey"), meta.skey_BS.new_full((B, Bs), -(2**50))], 1)
+    skey_BXb = skey_BXb.view(B, Q + 1, Bs)
+    t_T = torch.arange(T, device=q_BHSD.device)
+
+    def lists(c0: int, C: int):
+        idx_BCT = lo_BQ[:, c0:c0 + C, None] + t_T
+        idx_BCT = torch.where(idx_BCT <= hi_BQ[:, c0:c0 + C, None], idx_BCT, Q)
+        return idx_BCT[:, None].expand(B, K, -1, T), None
+
+    C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
+    ckpt = _wants_ckpt(cfg.gather_checkpoint, q_BHSD, k_BKSD, v_BKSD)
+    out_BKQMD = _run(q_BKQMD, k_BKXbD, v_BKXbD, doc_BXb, skey_BXb, C, ckpt, lists)
+    return _untile(out_BKQMD, H, Bs)[:, :, :S].to(q_BHSD.dtype)

@@ -1,14 +1,19 @@
-"""Per-forward attention metadata: token ids, the token rule, and block-level summaries.
+"""Per-forward attention metadata: the token rule, document-relative blocks, the aligned layout.
 
-The token rule (every backend computes exactly this): query i may attend key j iff
-    doc[i] == doc[j]  and  (j <= i  or  (span[i] == span[j] and span[i] >= 0)).
-Block-level summaries are computed once per forward (`build_meta`) and reused by every layer.
-Documents and spans are assumed to be contiguous runs (what the packer writes); if they are not,
-the block summaries are supersets, which never changes the function (the token rule is always
-applied on top), only how many blocks are visited.
+The token rule (every layer, every backend computes exactly this): query i may attend key j iff
+    doc[i] == doc[j]  and  (j <= i  or  skey[i] == skey[j]),
+where skey is one id per visual span (an image, or one video frame: bidirectional inside) and
+unique for every other token. Blocks are counted from each document's first token: block n of a
+document is its tokens [n * Bs, (n + 1) * Bs) (ranks within the document), so a document gives
+the same result alone or packed at any offset. Documents need not be contiguous runs.
 
-Legend: B batch rows, S tokens, P = Q * Bs tokens padded to whole blocks, Q query blocks,
-N key blocks (N == Q), Bs block size.
+Sparse layers run on the *aligned layout* (`AlignedLayout`, built lazily once per forward): the
+row's documents one after the other, each starting on a multiple of Bs, so every aligned block
+is exactly one document block (a document wastes < Bs slots; empty slots hold no token).
+Everything is O(S) per row (no Q x Q table), so metadata stays small at 1M tokens.
+
+Legend: B batch rows, S tokens, P = Q * Bs row tokens padded to whole blocks, Q row blocks,
+A aligned blocks, L = A * Bs aligned slots, Bs block size.
 """
 
 from __future__ import annotations
@@ -16,48 +21,100 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 Tensor = torch.Tensor
+NO_SPAN = 2**40  # closure range of a text token: [NO_SPAN, -1] is empty
 
 
-def token_mask(doc_q: Tensor, span_q: Tensor, pos_q: Tensor, doc_k: Tensor, span_k: Tensor,
+def token_mask(doc_q: Tensor, skey_q: Tensor, pos_q: Tensor, doc_k: Tensor, skey_k: Tensor,
                pos_k: Tensor) -> Tensor:
-    """The token rule, broadcasting over any shapes."""
-    return (doc_q == doc_k) & ((pos_k <= pos_q) | ((span_q == span_k) & (span_q >= 0)))
+    """The token rule, broadcasting over any shapes (skey from `AttnMeta`)."""
+    return (doc_q == doc_k) & ((pos_k <= pos_q) | (skey_q == skey_k))
+
+
+@dataclass
+class AlignedLayout:
+    """The sparse layers' layout: every document starts an aligned block (see the module doc)."""
+
+    block_size: int  # Bs
+    num_blocks: int  # A
+    slot_BS: Tensor  # int64 aligned slot of every token
+    src_BL: Tensor  # int64 row position of every slot, -1 for an empty slot
+    doc_BL: Tensor  # int64 document of every slot, `null` for an empty one
+    skey_BL: Tensor  # int64 span key of every slot (unique for empty slots)
+    clo_BL: Tensor  # int64 doc-relative closure range of the slot's span (text: empty range)
+    chi_BL: Tensor
+    first_BA: Tensor  # int64 aligned index of the block's document block 0 (itself when empty)
+    vis_BA: Tensor  # bool: the block holds a visual token
+    count_BA: Tensor  # float32 tokens in the block
+    real_BA: Tensor  # bool: the block holds a token of a real (non-padding) document
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
 
 
 @dataclass
 class AttnMeta:
     block_size: int  # Bs
     seq_len: int  # S (unpadded)
-    num_blocks: int  # Q == N == ceil(S / Bs)
-    doc_BP: Tensor  # int64 document id; padding positions get a value no real token has
-    span_BP: Tensor  # int64 span id, -1 for text and block padding
-    skey_BP: Tensor  # int64 span key: >= 0 one id per (doc, span) for visual tokens, -(pos+1) for the rest
-    count_Q: Tensor  # float32 real tokens per block (Bs, the last one maybe fewer)
-    same_doc_BQN: Tensor  # bool: the two blocks share a document
-    reach_BQN: Tensor  # bool: same_doc and (n <= q or closure) -- some allowed (i, j) pair may exist
-    closure_BQN: Tensor  # bool: n holds part of a visual span that has a token in q
-    sink_BQN: Tensor  # bool: n holds the first token of a document that has a token in q
-    visual_BQN: Tensor  # bool: n holds a visual token of a document present in q
-    full_BQN: Tensor  # bool: every (i in q, j in n) pair is allowed (n < q, one doc, no padding)
+    doc_BS: Tensor  # int64 document id; ids < 0 mark padding (its own document: not counted)
+    skey_BS: Tensor  # int64 span key: >= 0 the span's first position for visual tokens, else -(pos+1)
+    rank_BS: Tensor  # int64 position of the token within its document
+    first_BS: Tensor  # int64 row position of the document's first token
+    span_last_BS: Tensor  # int64 row position of the last token of the token's span (text: itself)
+    clo_BS: Tensor  # int64 doc-relative block range of the token's span (text: NO_SPAN, -1)
+    chi_BS: Tensor
+    ablk_BS: Tensor  # int64 aligned block of the token
+    base_BS: Tensor  # int64 aligned block of the token's document block 0
+    vis_BS: Tensor  # bool: visual token
     has_spans: bool  # any visual token in the batch (flash cannot do bidirectional spans)
     docs_contiguous: bool  # every document is one run of tokens (flash's cu_seqlens need it)
-    # Per-forward cache of what every full layer shares (gather index lists, flex BlockMask).
+    num_ablocks: int  # A: aligned blocks per row (the longest row)
+    null: Tensor  # int64 scalar: a document id no token has (empty slots, padded blocks)
+    # Per-forward cache of what layers share (aligned layout, gather intervals, flex BlockMasks).
     cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def batch(self) -> int:
-        return self.doc_BP.shape[0]
+        return self.doc_BS.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        """Q: row blocks (the full layers' tiles)."""
+        return -(-self.seq_len // self.block_size)
 
     @property
     def padded_len(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def nblk_BS(self) -> Tensor:
+        """Doc-relative block of every token."""
+        return self.rank_BS // self.block_size
 
-def _group_extent(b_T: Tensor, ids_T: Tensor, pos_T: Tensor, ids2_T: Tensor | None = None):
-    """Per token: first and last position of its group (b, id[, id2]) -- works for any ids."""
-    key_TC = torch.stack([b_T, ids_T] + ([ids2_T] if ids2_T is not None else []), dim=-1)
+    @property
+    def real_BS(self) -> Tensor:
+        return self.doc_BS >= 0
+
+    def padded(self, name: str) -> Tensor:
+        """doc or skey padded to whole row blocks (P): padding gets `null` / unique keys."""
+        P, S = self.padded_len, self.seq_len
+        if name == "doc":
+            return torch.cat([self.doc_BS, self.null.expand(self.batch, P - S)], 1)
+        pad = -torch.arange(S + 1, P + 1, device=self.doc_BS.device)
+        return torch.cat([self.skey_BS, pad.expand(self.batch, P - S)], 1)
+
+    def aligned(self) -> AlignedLayout:
+        if "aligned" not in self.cache:
+            self.cache["aligned"] = _aligned(self)
+        return self.cache["aligned"]
+
+
+def _group_extent(b_T: Tensor, ids_T: Tensor, pos_T: Tensor, ids2_T: Tensor):
+    """Per token: first and last position of its group (b, id, id2) -- works for any ids."""
+    key_TC = torch.stack([b_T, ids_T, ids2_T], dim=-1)
     _, inv_T = torch.unique(key_TC, dim=0, return_inverse=True)
     n = int(inv_T.max()) + 1 if inv_T.numel() else 0
     first_U = torch.full((n,), 2**62, dtype=torch.long, device=pos_T.device)
@@ -67,73 +124,89 @@ def _group_extent(b_T: Tensor, ids_T: Tensor, pos_T: Tensor, ids2_T: Tensor | No
     return first_U[inv_T], last_U[inv_T]
 
 
+def _doc_ranks(doc_BS: Tensor, Bs: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> rank in document, row position of the document's first token, aligned block of the
+    document's block 0, and aligned blocks per row. Documents are grouped by a stable sort."""
+    B, S = doc_BS.shape
+    order_BS = torch.sort(doc_BS, dim=1, stable=True).indices  # tokens of a document together
+    sdoc_BS = doc_BS.gather(1, order_BS)
+    idx_BS = torch.arange(S, device=doc_BS.device).expand(B, S)
+    start_BS = F.pad(sdoc_BS[:, 1:] != sdoc_BS[:, :-1], (1, 0), value=True)
+    end_BS = F.pad(start_BS[:, 1:], (0, 1), value=True)
+    run_first_BS = torch.where(start_BS, idx_BS, 0).cummax(1).values
+    srank_BS = idx_BS - run_first_BS
+    blocks_BS = torch.where(end_BS, srank_BS // Bs + 1, 0)  # a document's blocks, at its last token
+    cum_BS = blocks_BS.cumsum(1)
+    sbase_BS = cum_BS - blocks_BS  # blocks of the documents before (constant along a document)
+    rank_BS = torch.empty_like(srank_BS).scatter_(1, order_BS, srank_BS)
+    first_BS = torch.empty_like(srank_BS).scatter_(1, order_BS, order_BS.gather(1, run_first_BS))
+    base_BS = torch.empty_like(srank_BS).scatter_(1, order_BS, sbase_BS)
+    return rank_BS, first_BS, base_BS, cum_BS[:, -1]
+
+
 @torch.no_grad()
 def build_meta(doc_ids_BS: Tensor, span_ids_BS: Tensor, block_size: int) -> AttnMeta:
-    """Build the metadata once per forward; every layer (and every backend) reuses it."""
+    """Build the metadata once per forward; every layer (and every backend) reuses it.
+
+    doc_ids (B, S): document of each token (ids < 0: padding); span_ids (B, S): visual span of
+    each visual token (>= 0; unique within a document), -1 for text."""
     if doc_ids_BS.shape != span_ids_BS.shape or doc_ids_BS.dim() != 2:
         raise ValueError(f"doc_ids/span_ids: need equal (B, S) shapes (got {tuple(doc_ids_BS.shape)} "
                          f"and {tuple(span_ids_BS.shape)})")
     if block_size < 1:
         raise ValueError(f"block_size: must be >= 1 (got {block_size})")
-    dev = doc_ids_BS.device
+    dev, Bs = doc_ids_BS.device, block_size
     B, S = doc_ids_BS.shape
-    Bs = block_size
-    Q = -(-S // Bs)
-    P = Q * Bs
     doc_BS, span_BS = doc_ids_BS.long(), span_ids_BS.long()
-    pad_doc = doc_BS.amin() - 1  # a tensor: no host sync
-    doc_BP = torch.cat([doc_BS, pad_doc.expand(B, P - S)], dim=1)
-    span_BP = torch.cat([span_BS, span_BS.new_full((B, P - S), -1)], dim=1)
-    real_P = torch.arange(P, device=dev) < S
-    count_Q = real_P.view(Q, Bs).sum(-1).float()
-
-    # Document range of each block (real tokens only).
-    big = torch.iinfo(torch.long).max
-    lo_BQ = doc_BP.masked_fill(~real_P, big).view(B, Q, Bs).amin(-1)
-    hi_BQ = doc_BP.masked_fill(~real_P, -big).view(B, Q, Bs).amax(-1)
-    same_doc_BQN = (lo_BQ[:, :, None] <= hi_BQ[:, None, :]) & (lo_BQ[:, None, :] <= hi_BQ[:, :, None])
-    q_Q = torch.arange(Q, device=dev)
-    causal_QN = q_Q[None, :] <= q_Q[:, None]
-
-    b_BS = torch.arange(B, device=dev)[:, None].expand(B, S)
-    pos_BS = torch.arange(S, device=dev)[None, :].expand(B, S)
-    qblk_BS = pos_BS // Bs
-    flat_q_BS = b_BS * Q + qblk_BS  # index of (b, query block)
-
-    # Sink: the block holding the first token of every document present in the query block.
-    first_BS, _ = _group_extent(b_BS.reshape(-1), doc_BS.reshape(-1), pos_BS.reshape(-1))
-    run_start_BS = torch.ones_like(doc_BS, dtype=torch.bool)
-    run_start_BS[:, 1:] = doc_BS[:, 1:] != doc_BS[:, :-1]
-    docs_contiguous = bool((run_start_BS.reshape(-1) == (first_BS == pos_BS.reshape(-1))).all())
-    sink_BQN = torch.zeros(B * Q * Q, dtype=torch.bool, device=dev)
-    sink_BQN[flat_q_BS.reshape(-1) * Q + first_BS // Bs] = True
-    sink_BQN = sink_BQN.view(B, Q, Q)
-
-    # Closure: the blocks holding the rest of every visual span present in the query block.
+    rank_BS, first_BS, base_BS, blocks_B = _doc_ranks(doc_BS, Bs)
+    pos_BS = torch.arange(S, device=dev).expand(B, S)
     vis_BS = span_BS >= 0
-    lo_BQ_span = torch.full((B * Q,), Q, dtype=torch.long, device=dev)
-    hi_BQ_span = torch.full((B * Q,), -1, dtype=torch.long, device=dev)
-    # Span key: the token rule is doc[i] == doc[j] and (j <= i or skey[i] == skey[j]).
-    skey_BP = -torch.arange(1, P + 1, device=dev)[None].repeat(B, 1)
-    if bool(vis_BS.any()):
-        first_V, last_V = _group_extent(b_BS[vis_BS], doc_BS[vis_BS], pos_BS[vis_BS], span_BS[vis_BS])
-        skey_BP[:, :S][vis_BS] = first_V  # the span's first position: unique per (row, doc, span)
-        lo_BQ_span = lo_BQ_span.scatter_reduce(0, flat_q_BS[vis_BS], first_V // Bs, "amin")
-        hi_BQ_span = hi_BQ_span.scatter_reduce(0, flat_q_BS[vis_BS], last_V // Bs, "amax")
-    closure_BQN = (q_Q >= lo_BQ_span.view(B, Q, 1)) & (q_Q <= hi_BQ_span.view(B, Q, 1))
-    vis_BP = span_BP >= 0
-    vlo_BN = doc_BP.masked_fill(~vis_BP, big).view(B, Q, Bs).amin(-1)
-    vhi_BN = doc_BP.masked_fill(~vis_BP, -big).view(B, Q, Bs).amax(-1)
-    visual_BQN = (vlo_BN[:, None, :] <= hi_BQ[:, :, None]) & (lo_BQ[:, :, None] <= vhi_BN[:, None, :])
-
-    reach_BQN = same_doc_BQN & (causal_QN | closure_BQN)
-    uniform_BQ = (lo_BQ == hi_BQ) & (count_Q == Bs)
-    full_BQN = (uniform_BQ[:, :, None] & uniform_BQ[:, None, :] & (lo_BQ[:, :, None] == lo_BQ[:, None, :])
-                & (q_Q[None, :] < q_Q[:, None]))
+    skey_BS = -(pos_BS + 1)
+    span_last_BS = pos_BS.clone()
+    clo_BS = torch.full_like(doc_BS, NO_SPAN)
+    chi_BS = torch.full_like(doc_BS, -1)
+    has_spans = bool(vis_BS.any())
+    if has_spans:
+        b_BS = torch.arange(B, device=dev)[:, None].expand(B, S)
+        f_V, l_V = _group_extent(b_BS[vis_BS], doc_BS[vis_BS], pos_BS[vis_BS], span_BS[vis_BS])
+        skey_BS = skey_BS.masked_scatter(vis_BS, f_V)
+        span_last_BS = span_last_BS.masked_scatter(vis_BS, l_V)
+        b_V = b_BS[vis_BS]
+        clo_BS = clo_BS.masked_scatter(vis_BS, rank_BS[b_V, f_V] // Bs)
+        chi_BS = chi_BS.masked_scatter(vis_BS, rank_BS[b_V, l_V] // Bs)
+    run_start_BS = F.pad(doc_BS[:, 1:] != doc_BS[:, :-1], (1, 0), value=True)
+    contiguous = bool((run_start_BS == (first_BS == pos_BS)).all())
     return AttnMeta(
-        block_size=Bs, seq_len=S, num_blocks=Q, doc_BP=doc_BP, span_BP=span_BP, skey_BP=skey_BP,
-        count_Q=count_Q,
-        same_doc_BQN=same_doc_BQN, reach_BQN=reach_BQN, closure_BQN=closure_BQN, sink_BQN=sink_BQN,
-        visual_BQN=visual_BQN, full_BQN=full_BQN, has_spans=bool(vis_BS.any()),
-        docs_contiguous=docs_contiguous,
+        block_size=Bs, seq_len=S, doc_BS=doc_BS, skey_BS=skey_BS, rank_BS=rank_BS, first_BS=first_BS,
+        span_last_BS=span_last_BS, clo_BS=clo_BS, chi_BS=chi_BS, ablk_BS=base_BS + rank_BS // Bs,
+        base_BS=base_BS, vis_BS=vis_BS, has_spans=has_spans, docs_contiguous=contiguous,
+        num_ablocks=max(int(blocks_B.max()), 1) if S else 1, null=doc_BS.amin() - 1 if S else
+        doc_BS.new_tensor(-1),
+    )
+
+
+def _aligned(meta: AttnMeta) -> AlignedLayout:
+    """Scatter the row's per-token tables into the aligned layout (empty slots get `null`)."""
+    B, S, Bs, A = meta.batch, meta.seq_len, meta.block_size, meta.num_ablocks
+    L, dev = A * Bs, meta.doc_BS.device
+    slot_BS = meta.base_BS * Bs + meta.rank_BS
+    pos_BS = torch.arange(S, device=dev).expand(B, S)
+
+    def scatter(x_BS: Tensor, empty) -> Tensor:
+        out_BL = x_BS.new_full((B, L), empty) if not isinstance(empty, Tensor) else empty.expand(B, L).clone()
+        return out_BL.scatter_(1, slot_BS, x_BS)
+
+    empty_key_L = -(S + 1 + torch.arange(L, device=dev))  # unique, never a token's key
+    first_BA = torch.arange(A, device=dev).expand(B, A).clone().scatter_(1, meta.ablk_BS, meta.base_BS)
+    vis_BA = torch.zeros(B, A, dtype=torch.bool, device=dev).scatter_reduce(
+        1, meta.ablk_BS, meta.vis_BS, "amax")
+    real_BA = torch.zeros(B, A, dtype=torch.bool, device=dev).scatter_reduce(
+        1, meta.ablk_BS, meta.real_BS, "amax")
+    count_BA = torch.zeros(B, A, device=dev).scatter_add_(1, meta.ablk_BS, torch.ones(B, S, device=dev))
+    return AlignedLayout(
+        block_size=Bs, num_blocks=A, slot_BS=slot_BS, src_BL=scatter(pos_BS, -1),
+        doc_BL=scatter(meta.doc_BS, meta.null),
+        skey_BL=scatter(meta.skey_BS, empty_key_L), clo_BL=scatter(meta.clo_BS, NO_SPAN),
+        chi_BL=scatter(meta.chi_BS, -1), first_BA=first_BA, vis_BA=vis_BA, count_BA=count_BA,
+        real_BA=real_BA,
     )

@@ -1,69 +1,138 @@
-"""Sparse block selection (MoBA-style), shared by every backend so that they compute one function.
+"""Top-k block selection of sparse layers (MoBA-style gating, causal), shared by every backend.
 
-Per query block q (and per head or per GQA group), the kept key blocks are
-    base = own block | window blocks (the ceil(window / Bs) blocks before q) | span closure
-           | sink (if cfg.sink) | visual blocks (if cfg.visual_always),   all AND reach
-    top-k: the cfg.top_k best blocks among the *remaining* candidates (n < q, reachable, not in base),
-           scored by mean_{i in q} q_i . mean_{j in n} k_j (fp32; GQA groups average their heads' scores).
-`reach` restricts everything to blocks that share a document with q and are not in q's future
-(except the closure: the blocks of the visual spans present in q, kept both ways).
-Selection is a discrete choice made under no_grad.
+Candidates of a query token: the *completed earlier* blocks of its own document (nk < nq) that
+the block rule does not keep already (blocks.kept without picks). Each candidate is scored by
+q . mean(k over the block) in fp32 with no new parameters; the top_k best are the picks (fewer
+candidates -> fewer picks, -1 pads). A GQA group scores with the mean of its heads' queries
+(= the mean of their scores). Who scores (cfg.select):
+  * "token": every query token with its own q (MoBA's per-token gating; the reference);
+  * "block": one choice per document block nq, scored with the mean query of block nq - 1 of the
+    same document (all of it before every token of block nq, so still causal).
+Both depend only on the query's own document up to the query's position. Scores are computed
+in chunks of tiles against the key-block means (once per layer), so memory is O(chunk x A);
+the selection is stored as O(L * k) doc-relative block ids per selection head.
 
-Legend: B batch, H query heads, K kv heads, S tokens, D head dim, Q query blocks, N key blocks,
-G selection heads (H for select_per="head", K for "kv_group"), R = H // K, Bs block size.
+Legend: B batch, H query heads, K kv heads, G selection heads (H or K), S tokens, D head dim,
+A aligned blocks, L = A * Bs aligned slots, Bs block size, k = top_k, C tiles in a chunk,
+N candidate blocks of a chunk.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from dataclasses import dataclass
 
+import torch
+
+from .blocks import kept
 from .config import AttentionConfig
 from .meta import AttnMeta
 
 Tensor = torch.Tensor
+_MAX_SCORES = 2**24  # elements of one chunk's score tensor
 
 
-def block_mean(x_BHSD: Tensor, meta: AttnMeta) -> Tensor:
-    """Mean of each block's real tokens, fp32: (B, H, Q, D)."""
+@dataclass
+class Selection:
+    """What a sparse layer picked: doc-relative block ids, -1 = none."""
+
+    picks_BGLk: Tensor  # int64 per aligned slot
+    block_picks_BGAk: Tensor | None = None  # select == "block": the same per aligned block
+
+    def row(self, meta: AttnMeta) -> Tensor:
+        """(B, G, S, k) picks of every token in row order."""
+        B, G, _, k = self.picks_BGLk.shape
+        idx_BGSk = meta.aligned().slot_BS[:, None, :, None].expand(B, G, meta.seq_len, k)
+        return self.picks_BGLk.gather(2, idx_BGSk)
+
+
+def to_aligned(x_BHSD: Tensor, meta: AttnMeta) -> Tensor:
+    """(B, H, S, D) -> (B, H, L, D) in the aligned layout, zeros in empty slots."""
+    lay = meta.aligned()
     B, H, S, D = x_BHSD.shape
-    x_BHPD = F.pad(x_BHSD.float(), (0, 0, 0, meta.padded_len - S))
-    sum_BHQD = x_BHPD.view(B, H, meta.num_blocks, meta.block_size, D).sum(-2)
-    return sum_BHQD / meta.count_Q[:, None]
+    src_BL = lay.src_BL
+    flat_BL = torch.where(src_BL >= 0, src_BL + S * torch.arange(B, device=src_BL.device)[:, None], B * S)
+    x_TF = x_BHSD.transpose(1, 2).reshape(B * S, H * D)
+    x_TF = torch.cat([x_TF, x_TF.new_zeros(1, H * D)])
+    return x_TF.index_select(0, flat_BL.reshape(-1)).view(B, -1, H, D).transpose(1, 2)
 
 
-def base_blocks(meta: AttnMeta, cfg: AttentionConfig) -> Tensor:
-    """Blocks every head keeps: own, window, closure, sink, visual (all within reach): (B, Q, N)."""
-    q_Q = torch.arange(meta.num_blocks, device=meta.doc_BP.device)
-    diff_QN = q_Q[:, None] - q_Q[None, :]
-    n_win = -(-cfg.window // meta.block_size)
-    base_BQN = ((diff_QN >= 0) & (diff_QN <= n_win))[None] | meta.closure_BQN
-    if cfg.sink:
-        base_BQN = base_BQN | meta.sink_BQN
-    if cfg.visual_always:
-        base_BQN = base_BQN | meta.visual_BQN
-    return base_BQN & meta.reach_BQN
+def from_aligned(x_BHLD: Tensor, meta: AttnMeta) -> Tensor:
+    """(B, H, L, D) -> (B, H, S, D): every token's slot."""
+    lay = meta.aligned()
+    B, H, L, D = x_BHLD.shape
+    flat_BS = lay.slot_BS + L * torch.arange(B, device=lay.slot_BS.device)[:, None]
+    x_TF = x_BHLD.transpose(1, 2).reshape(B * L, H * D)
+    return x_TF.index_select(0, flat_BS.reshape(-1)).view(B, -1, H, D).transpose(1, 2)
+
+
+def block_means(x_BHLD: Tensor, meta: AttnMeta) -> Tensor:
+    """Mean of each aligned block's tokens, fp32: (B, H, A, D)."""
+    lay = meta.aligned()
+    B, H, L, D = x_BHLD.shape
+    sum_BHAD = x_BHLD.float().view(B, H, lay.num_blocks, lay.block_size, D).sum(-2)
+    return sum_BHAD / lay.count_BA.clamp_min(1)[:, None, :, None]
+
+
+def _top(score_BGMN: Tensor, cand_BGMN: Tensor, k: int, lo: int, first_B1M1: Tensor) -> Tensor:
+    """The k best candidates as doc-relative ids (-1 pads): (B, G, M, k)."""
+    score_BGMN = score_BGMN.masked_fill(~cand_BGMN, float("-inf"))
+    val_BGMk, idx_BGMk = score_BGMN.topk(min(k, score_BGMN.shape[-1]), dim=-1)
+    picks_BGMk = torch.where(val_BGMk > float("-inf"), lo + idx_BGMk - first_B1M1, -1)
+    pad = k - picks_BGMk.shape[-1]
+    return torch.nn.functional.pad(picks_BGMk, (0, pad), value=-1) if pad else picks_BGMk
+
+
+def _query_vectors(q_BHSD: Tensor, meta: AttnMeta, G: int) -> Tensor:
+    """Per aligned slot, the selection head's query (mean over the group's heads): (B, G, L, D)."""
+    B, H, _, D = q_BHSD.shape
+    q_BHLD = to_aligned(q_BHSD.float(), meta)
+    return q_BHLD.view(B, G, H // G, -1, D).mean(2)
 
 
 @torch.no_grad()
-def select_blocks(q_BHSD: Tensor, k_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig) -> Tensor:
-    """The boolean block selection of a sparse layer: (B, G, Q, N)."""
-    B, H, _, _ = q_BHSD.shape
-    K = k_BKSD.shape[1]
+def select_blocks(q_BHSD: Tensor, k_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig) -> Selection:
+    """The top-k picks of a sparse layer (see the module docstring)."""
+    lay = meta.aligned()
+    B, H = q_BHSD.shape[:2]
+    K, A, Bs, k = k_BKSD.shape[1], lay.num_blocks, cfg.block_size, cfg.top_k
     G = H if cfg.select_per == "head" else K
-    Q = meta.num_blocks
-    base_BQN = base_blocks(meta, cfg)
-    if cfg.top_k == 0:
-        return base_BQN[:, None].expand(B, G, Q, Q).contiguous()
-    q_Q = torch.arange(Q, device=base_BQN.device)
-    cand_BQN = meta.reach_BQN & (q_Q[None, :] < q_Q[:, None]) & ~base_BQN
-    qm_BKRQD = block_mean(q_BHSD, meta).view(B, K, H // K, Q, -1)
-    if G == K:  # a group's score is the mean of its heads' scores = the score of the mean query
-        qm_BKRQD = qm_BKRQD.mean(2, keepdim=True)
-    km_BKND = block_mean(k_BKSD, meta)
-    score_BGQN = torch.einsum("bkrqd,bknd->bkrqn", qm_BKRQD, km_BKND).reshape(B, G, Q, Q)
-    score_BGQN = score_BGQN.masked_fill(~cand_BQN[:, None], float("-inf"))
-    val_BGQT, idx_BGQT = score_BGQN.topk(min(cfg.top_k, Q), dim=-1)
-    picked_BGQN = torch.zeros_like(cand_BQN[:, None].expand(B, G, Q, Q))
-    picked_BGQN = picked_BGQN.scatter(-1, idx_BGQT, val_BGQT > float("-inf"))
-    return base_BQN[:, None] | picked_BGQN
+    if k == 0:
+        return Selection(q_BHSD.new_zeros(B, G, A * Bs, 0, dtype=torch.long))
+    km_BGAD = block_means(to_aligned(k_BKSD, meta), meta).repeat_interleave(G // K, 1)
+    q_BGLD = _query_vectors(q_BHSD, meta, G)
+    if cfg.select == "block":
+        qm_BGAD = block_means(q_BGLD, meta)
+        prev_BGAD = torch.nn.functional.pad(qm_BGAD[:, :, :-1], (0, 0, 1, 0))  # block a - 1
+        bp_BGAk = _select(prev_BGAD, km_BGAD, meta, cfg, per_token=False)
+        return Selection(bp_BGAk.repeat_interleave(Bs, 2), bp_BGAk)
+    return Selection(_select(q_BGLD, km_BGAD, meta, cfg, per_token=True))
+
+
+def _select(qv_BGMD: Tensor, km_BGAD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+            per_token: bool) -> Tensor:
+    """Picks for query vectors per slot (per_token) or per aligned block, in chunks of tiles."""
+    lay = meta.aligned()
+    B, G, _, D = qv_BGMD.shape
+    A, Bs = lay.num_blocks, cfg.block_size
+    rows = Bs if per_token else 1  # query vectors per tile
+    C = max(1, _MAX_SCORES // (B * G * rows * A))
+    out = []
+    for a0 in range(0, A, C):
+        a1 = min(A, a0 + C)
+        lo = int(lay.first_BA[:, a0].min())  # the earliest document start the chunk can reach
+        q_BGMD = qv_BGMD[:, :, a0 * rows:a1 * rows]
+        score_BGMN = q_BGMD @ km_BGAD[:, :, lo:a1].transpose(-1, -2)
+        first_B1M1 = lay.first_BA[:, a0:a1].repeat_interleave(rows, 1)[:, None, :, None]
+        nq_B1M1 = torch.arange(a0, a1, device=q_BGMD.device).repeat_interleave(rows)[None, None, :, None]
+        nq_B1M1 = nq_B1M1 - first_B1M1
+        nk_B1MN = torch.arange(lo, a1, device=q_BGMD.device) - first_B1M1
+        kvis_B11N = lay.vis_BA[:, None, None, lo:a1]
+        if per_token:
+            sl = slice(a0 * Bs, a1 * Bs)
+            clo, chi = lay.clo_BL[:, None, sl, None], lay.chi_BL[:, None, sl, None]
+        else:  # a block-level choice: the closure is applied per token later, never scored
+            clo, chi = nq_B1M1.new_tensor(1), nq_B1M1.new_tensor(0)
+        base_B1MN = kept(cfg, nq_B1M1, nk_B1MN, kvis_B11N, clo, chi)
+        cand_B1MN = (nk_B1MN >= 0) & (nk_B1MN < nq_B1M1) & ~base_B1MN
+        out.append(_top(score_BGMN, cand_B1MN.expand_as(score_BGMN), cfg.top_k, lo, first_B1M1))
+    return torch.cat(out, 2)

@@ -49,7 +49,8 @@ def test_rows_hold_whole_documents_and_media_are_numbered_in_row_major_order():
         batch = assemble(rows, S, PAD, P)
         for r in range(B):
             doc_ids = batch.doc_ids_BS[r]
-            assert (doc_ids[1:] >= doc_ids[:-1]).all()  # contiguous documents, padding last
+            n = int((doc_ids >= 0).sum())  # padding is document -1, at the end of the row
+            assert (doc_ids[n:] == -1).all() and (doc_ids[:n].diff() >= 0).all()  # contiguous documents
             for d in doc_ids.unique().tolist():
                 sel = doc_ids == d
                 uids = batch.labels_BS[r][sel].unique().tolist()
@@ -87,7 +88,7 @@ def test_a_document_that_does_not_fit_waits_first_in_line():
 def test_padding_is_its_own_document_and_spans_are_unique_per_row():
     a, b = _doc(0, 3, [(IMAGE, 2)]), _doc(1, 2, [(VIDEO, 1), (IMAGE, 1)])
     batch = assemble([[a, b]], 16, PAD, P)
-    assert batch.doc_ids_BS[0].tolist() == [0] * 5 + [1] * 4 + [2] * 7
+    assert batch.doc_ids_BS[0].tolist() == [0] * 5 + [1] * 4 + [-1] * 7
     assert batch.span_ids_BS[0, :9].tolist() == [-1, -1, -1, 0, 0, -1, -1, 1, 2]
     assert batch.media_kind_M.tolist() == [IMAGE, VIDEO, IMAGE] and batch.patches_NP.shape == (16, P)
     assert batch.pos_ids_3BS[:, 0, 9:].tolist() == [list(range(7))] * 3

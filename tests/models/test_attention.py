@@ -1,6 +1,8 @@
-"""models.attention on CPU: gather / flex / recompute vs the dense eager reference, and the
-sparse selection vs a naive re-statement of its definition. Fresh random inputs every run; the
-seed is printed (shown on failure).
+"""models.attention on CPU: gather / flex / recompute vs the dense eager reference on outputs and
+gradients, the flex BlockMask against its mask_mod, span closure and padding, and the counts of
+what a layer visits. Fresh random inputs every run; the seed is printed (shown on failure).
+The properties every backend must have (causality, isolation, packing invariance) are in
+test_attention_properties.py.
 
 Legend: B batch, H query heads, K kv heads, S tokens, D head dim, Q query blocks, N key blocks,
 G selection heads, R query rows, Bs block size.
@@ -8,7 +10,6 @@ G selection heads, R query rows, Bs block size.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import warnings
@@ -17,79 +18,16 @@ import pytest
 import torch
 
 from models.attention import AttentionConfig, attend, build_meta, recompute_probs, select_blocks
-from models.attention.dense import dense_mask, dense_probs, expand_blocks
-from models.attention.flex import attend_flex
+from models.attention.counts import full_counts, sparse_counts
+from models.attention.dense import dense_mask, dense_probs
+from models.attention.flex import attend_flex, full_block_mask, sparse_block_mask
 from models.attention.testing import random_batch, random_qkv, rel_err
-
-
-@pytest.fixture
-def seed():
-    s = random.SystemRandom().randrange(2**31)
-    random.seed(s)  # the packing generator draws from `random`, tensors from torch
-    torch.manual_seed(s)
-    print(f"seed={s}")
-    return s
 
 
 def run(q, k, v, meta, cfg, sparse, w):
     out = attend(q, k, v, meta, cfg, sparse)
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))
     return (out, *grads)
-
-
-def naive_selection(q_BHSD, k_BKSD, doc_BS, span_BS, cfg: AttentionConfig):
-    """The sparse selection re-stated from its definition (token-level, loops over blocks)."""
-    B, H, S, _ = q_BHSD.shape
-    K, Bs = k_BKSD.shape[1], cfg.block_size
-    Q, G = math.ceil(S / Bs), (H if cfg.select_per == "head" else K)
-    doc, span, pos = doc_BS.long(), span_BS.long(), torch.arange(S)
-    out = torch.zeros(B, G, Q, Q, dtype=torch.bool)
-    for b in range(B):
-        allow_SS = (doc[b, :, None] == doc[b, None]) & (
-            (pos[None] <= pos[:, None]) | ((span[b, :, None] == span[b, None]) & (span[b, :, None] >= 0)))
-        blk = [slice(n * Bs, min(S, (n + 1) * Bs)) for n in range(Q)]
-        first = {int(d): int((doc[b] == d).nonzero()[0]) for d in doc[b].unique()}
-        for qb in range(Q):
-            qs = blk[qb]
-            docs_q = set(doc[b, qs].tolist())
-            spans_q = {(int(d), int(s)) for d, s in zip(doc[b, qs], span[b, qs]) if s >= 0}
-            base, reach = set(), set()
-            for n in range(Q):
-                ks = blk[n]
-                if not allow_SS[qs, ks].any():
-                    continue
-                reach.add(n)
-                pairs = set(zip(doc[b, ks].tolist(), span[b, ks].tolist()))
-                if n == qb or 0 < qb - n <= math.ceil(cfg.window / Bs) or pairs & spans_q:
-                    base.add(n)
-                if cfg.sink and any(first[d] // Bs == n for d in docs_q):
-                    base.add(n)
-                if cfg.visual_always and any(s >= 0 and d in docs_q for d, s in pairs):
-                    base.add(n)
-            cand = [n for n in sorted(reach) if n < qb and n not in base]
-            for g in range(G):
-                heads = [g] if G == H else list(range(g * H // K, (g + 1) * H // K))
-                score = {}
-                for n in cand:
-                    km = k_BKSD[b, heads[0] * K // H, blk[n]].double().mean(0)
-                    score[n] = sum(float(q_BHSD[b, h, qs].double().mean(0) @ km) for h in heads)
-                top = sorted(cand, key=lambda n: -score[n])[: cfg.top_k]
-                out[b, g, qb, sorted(base | set(top))] = True
-    return out
-
-
-@pytest.mark.parametrize("select_per", ["head", "kv_group"])
-def test_selection_matches_definition(seed, select_per):
-    Bs = random.choice([4, 8])
-    S = random.randint(6 * Bs, 14 * Bs)
-    doc, span = random_batch(2, S, Bs)
-    q, k, _ = random_qkv(2, 4, 2, S, 8, grad=False)
-    cfg = AttentionConfig(block_size=Bs, window=random.randint(0, 3 * Bs), top_k=random.randint(0, 4),
-                          sink=random.random() < 0.5, visual_always=random.random() < 0.5,
-                          select_per=select_per)
-    got = select_blocks(q, k, build_meta(doc, span, Bs), cfg)
-    want = naive_selection(q, k, doc, span, cfg)
-    assert torch.equal(got, want), f"seed={seed} cfg={cfg}"
 
 
 @pytest.mark.parametrize("sparse", [True, False])
@@ -99,8 +37,9 @@ def test_gather_matches_dense(seed, sparse, select_per, H, K):
     B, Bs, D = 2, random.choice([8, 16]), 16
     S = random.randint(5 * Bs, 20 * Bs)
     meta = build_meta(*random_batch(B, S, Bs), Bs)
-    common = dict(block_size=Bs, window=random.randint(0, 3 * Bs), top_k=random.choice([1, 2, 50]),
-                  sink=random.random() < 0.7, visual_always=random.random() < 0.7, select_per=select_per)
+    common = dict(block_size=Bs, window=random.randint(0, 3 * Bs), top_k=random.choice([0, 1, 2, 50]),
+                  sink=random.random() < 0.7, visual_always=random.random() < 0.7, select_per=select_per,
+                  select=random.choice(["token", "block"]))
     q, k, v = random_qkv(B, H, K, S, D)
     w = torch.randn(B, H, S, D)
     ref = run(q, k, v, meta, AttentionConfig(backend="dense", dense_impl="eager", **common), sparse, w)
@@ -128,14 +67,27 @@ def test_sparse_covering_everything_equals_full(seed):
     Bs, S = 8, random.randint(40, 200)
     meta = build_meta(*random_batch(2, S, Bs), Bs)
     q, k, v = random_qkv(2, 4, 2, S, 16, grad=False)
-    cfg = AttentionConfig(block_size=Bs, window=S, top_k=S, sink=False, visual_always=False)
-    sel = select_blocks(q, k, meta, cfg)
-    assert torch.equal(dense_mask(meta, sel, 4), dense_mask(meta, None, 4).expand(-1, 4, -1, -1)), seed
-    cfg = AttentionConfig(block_size=Bs, window=0, top_k=S)  # top-k alone also covers everything
     full = attend(q, k, v, meta, AttentionConfig(backend="dense", dense_impl="eager", block_size=Bs), False)
-    for backend in ("dense", "gather"):
-        got = attend(q, k, v, meta, AttentionConfig(backend=backend, block_size=Bs, window=0, top_k=S), True)
-        assert rel_err(got, full) < 1e-5, f"seed={seed} {backend}"
+    for cover in (dict(window=S, top_k=1), dict(window=0, top_k=S)):  # the window, or top-k alone
+        cfg = AttentionConfig(block_size=Bs, sink=False, visual_always=False, **cover)
+        sel = select_blocks(q, k, meta, cfg)
+        full_BHSS = dense_mask(meta, None, None, 4).expand(-1, 4, -1, -1)
+        assert torch.equal(dense_mask(meta, cfg, sel, 4), full_BHSS)
+        for backend in ("dense", "gather"):
+            cfg = AttentionConfig(backend=backend, block_size=Bs, sink=False, **cover)
+            got = attend(q, k, v, meta, cfg, True)
+            assert rel_err(got, full) < 1e-5, f"seed={seed} {backend}"
+
+
+def _doc_blocks(doc_BS, Bs):
+    """Doc-relative block of every token, counted by hand."""
+    out = torch.empty_like(doc_BS, dtype=torch.long)
+    for b in range(doc_BS.shape[0]):
+        seen: dict[int, int] = {}
+        for i, d in enumerate(doc_BS[b].tolist()):
+            out[b, i] = seen.get(d, 0) // Bs
+            seen[d] = seen.get(d, 0) + 1
+    return out
 
 
 def test_span_closure_keeps_spans_bidirectional(seed):
@@ -144,20 +96,20 @@ def test_span_closure_keeps_spans_bidirectional(seed):
     meta = build_meta(doc, span, Bs)
     q, k, _ = random_qkv(2, 2, 2, S, 8, grad=False)
     cfg = AttentionConfig(block_size=Bs, window=0, top_k=0, sink=False, visual_always=False)
-    mask_BHSS = dense_mask(meta, select_blocks(q, k, meta, cfg), 2)
+    mask_BHSS = dense_mask(meta, cfg, select_blocks(q, k, meta, cfg), 2)
     same_span_BSS = (doc[:, :, None] == doc[:, None]) & (span[:, :, None] == span[:, None]) & (
         span[:, :, None] >= 0)
     assert mask_BHSS[same_span_BSS[:, None].expand_as(mask_BHSS)].all(), f"seed={seed}"
-    # Queries in blocks without visual tokens keep only their own block here.
-    vis_BQ = torch.nn.functional.pad(span >= 0, (0, meta.padded_len - S)).view(2, -1, Bs).any(-1)
-    text_BSS = (~vis_BQ).repeat_interleave(Bs, 1)[:, :S, None].expand(-1, -1, S)
-    own_SS = expand_blocks(torch.eye(meta.num_blocks, dtype=torch.bool)[None, None], 1, Bs, S)[0, 0]
-    assert not (mask_BHSS & text_BSS[:, None] & ~own_SS).any(), f"seed={seed}"
+    # With nothing else kept, a text token sees only its own document block.
+    nblk_BS = _doc_blocks(doc, Bs)
+    text_BS1 = (span < 0)[:, :, None]
+    other_block_BSS = nblk_BS[:, :, None] != nblk_BS[:, None]
+    assert not (mask_BHSS & (text_BS1 & other_block_BSS)[:, None]).any(), f"seed={seed}"
 
 
 def test_padding_and_tiny_docs_no_nan(seed):
     Bs, S = 8, 64
-    doc = torch.tensor([[0, 1, 2] + [3] * 20 + [4] * (S - 23), list(range(S))], dtype=torch.int32)
+    doc = torch.tensor([[0, 1, 2] + [3] * 20 + [-1] * (S - 23), list(range(S))], dtype=torch.int32)
     span = torch.full((2, S), -1, dtype=torch.int32)
     span[0, 5:15] = 0
     meta = build_meta(doc, span, Bs)
@@ -180,12 +132,12 @@ def test_recompute_probs_matches_dense(seed, sparse):
     capture: dict = {}
     attend(q, k, v, meta, cfg, sparse, capture=capture)
     assert capture["q"].shape == q.shape and capture["k"].shape == k.shape
-    sel = capture.get("kv_blocks")
+    sel = capture.get("selection")
     assert (sel is not None) == sparse
     if sparse:
-        assert sel.dtype == torch.bool and sel.shape == (2, H if cfg.select_per == "head" else K,
-                                                         meta.num_blocks, meta.num_blocks)
-    mask_BHSS = dense_mask(meta, sel, H).expand(-1, H, -1, -1)
+        G = H if cfg.select_per == "head" else K
+        assert sel.row(meta).shape == (2, G, S, 1)
+    mask_BHSS = dense_mask(meta, cfg, sel, H).expand(-1, H, -1, -1)
     ref_BHSS = dense_probs(q, k, mask_BHSS)
     rows_R2 = torch.stack([torch.randint(0, 2, (13,)), torch.randint(0, S, (13,))], 1)
     got_HRS = recompute_probs(capture, meta, cfg, sparse, rows_R2, chunk=3)
@@ -203,11 +155,12 @@ def test_flex_forward_cpu_eager(seed, sparse):
     Bs, S = 8, random.randint(40, 160)
     meta = build_meta(*random_batch(2, S, Bs), Bs)
     q, k, v = random_qkv(2, 4, 2, S, 16, grad=False)
-    cfg = AttentionConfig(backend="dense", dense_impl="eager", block_size=Bs, window=Bs, top_k=1)
+    cfg = AttentionConfig(backend="dense", dense_impl="eager", block_size=Bs, window=Bs, top_k=1,
+                          select=random.choice(["token", "block"]))
     sel = select_blocks(q, k, meta, cfg) if sparse else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = attend_flex(q, k, v, meta, sel, compiled=False)
+        got = attend_flex(q, k, v, meta, cfg, sel, compiled=False)
     assert rel_err(got, attend(q, k, v, meta, cfg, sparse)) < 1e-5, f"seed={seed}"
 
 
@@ -244,3 +197,71 @@ def test_config_and_shape_errors():
     q, k, v = random_qkv(1, 2, 2, 16, 8, grad=False)
     with pytest.raises(ValueError, match="block_size"):
         attend(q, k, v, meta, AttentionConfig(block_size=4), True)
+
+
+def _listed(num_BHX, idx_BHXY, Y: int) -> torch.Tensor:
+    B, H, X = num_BHX.shape
+    out = torch.zeros(B, H, X, Y, dtype=torch.bool)
+    for b, h, x in torch.cartesian_prod(torch.arange(B), torch.arange(H), torch.arange(X)).tolist():
+        out[b, h, x, idx_BHXY[b, h, x, : num_BHX[b, h, x]].long()] = True
+    return out
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_flex_block_mask_lists_every_pair_mask_mod_allows(seed, sparse):
+    """The BlockMask is an optimisation over mask_mod: every allowed (real query, key) pair lies in
+    a listed tile, and every "full" tile is allowed entirely (the compiled kernel relies on both)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    Bs, H = random.choice([4, 8, 32, 64]), 4
+    S = random.randint(3 * Bs, 400)
+    meta = build_meta(*random_batch(2, S, Bs), Bs)
+    q, k, _ = random_qkv(2, H, 2, S, 8, grad=False)
+    cfg = AttentionConfig(block_size=Bs, window=Bs, top_k=1, select=random.choice(["token", "block"]))
+    if sparse:
+        bm = sparse_block_mask(meta, cfg, select_blocks(q, k, meta, cfg), H)
+        real_BL = meta.aligned().src_BL >= 0
+    else:
+        bm = full_block_mask(meta)
+        real_BL = torch.ones(2, S, dtype=torch.bool)
+    L, Bf = real_BL.shape[1], bm.BLOCK_SIZE[0]
+    mask_BHLL = create_mask(bm.mask_mod, 2, H if sparse else 1, L, L, device="cpu")
+    mask_BHLL = mask_BHLL & real_BL[:, None, :, None]
+    X = -(-L // Bf)
+    tiles_BHXY = torch.nn.functional.pad(mask_BHLL, (0, X * Bf - L, 0, X * Bf - L)).view(
+        *mask_BHLL.shape[:2], X, Bf, X, Bf).any(5).any(3)
+    listed = _listed(bm.kv_num_blocks, bm.kv_indices, X)
+    full = torch.zeros_like(listed) if bm.full_kv_num_blocks is None else _listed(
+        bm.full_kv_num_blocks, bm.full_kv_indices, X)
+    assert not (tiles_BHXY & ~(listed | full)).any(), f"seed={seed}: an allowed pair is in no listed tile"
+    assert not (listed & full).any()
+    if full.any():
+        every_BHXY = torch.nn.functional.pad(create_mask(bm.mask_mod, 2, 1, L, L, device="cpu"),
+                                             (0, X * Bf - L, 0, X * Bf - L)).view(2, 1, X, Bf, X, Bf)
+        assert every_BHXY.all(5).all(3)[full].all(), f"seed={seed}: a full tile holds a masked pair"
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_counts_are_what_the_mask_allows(seed, sparse):
+    Bs, H, K = random.choice([4, 8]), 4, 2
+    S = random.randint(40, 200)
+    doc, span = random_batch(2, S, Bs)
+    meta = build_meta(doc, span, Bs)
+    q, k, _ = random_qkv(2, H, K, S, 8, grad=False)
+    cfg = AttentionConfig(block_size=Bs, window=Bs, top_k=1, select_per=random.choice(["head", "kv_group"]))
+    sel = select_blocks(q, k, meta, cfg) if sparse else None
+    c = sparse_counts(meta, cfg, sel) if sparse else full_counts(meta)
+    real_BS = doc >= 0
+    mask_BHSS = dense_mask(meta, cfg, sel, H).expand(-1, H, -1, -1)
+    assert float(c["keys"]) == pytest.approx(float(mask_BHSS.sum(-1).double().mean(1)[real_BS].sum()))
+    assert float(c["tokens"]) == real_BS.sum()
+    assert 0 < float(c["kept"]) <= float(c["reachable"])
+    full = full_counts(meta)
+    assert float(full["kept"]) == float(full["reachable"]) == float(c["reachable"])
+    if sparse:  # kept blocks: the distinct doc blocks holding an allowed key, counted from the mask
+        nblk_BS = _doc_blocks(doc, Bs)
+        n = 0.0
+        for b, i in real_BS.nonzero().tolist():
+            for h in range(H):
+                n += len(set(nblk_BS[b, mask_BHSS[b, h, i]].tolist())) / H
+        assert float(c["kept"]) == pytest.approx(n)

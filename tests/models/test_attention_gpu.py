@@ -18,14 +18,6 @@ from models.attention.testing import random_batch, random_qkv, rel_err
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.fixture
-def cuda_seed():
-    s = random.SystemRandom().randrange(2**31)
-    random.seed(s)
-    torch.manual_seed(s)
-    print(f"seed={s}")
-    return s
-
 
 def _run(q, k, v, meta, cfg, sparse, w):
     out = attend(q, k, v, meta, cfg, sparse)
@@ -41,17 +33,17 @@ def _inputs(B, H, K, S, D, Bs, dtype, visual=True):
 
 @pytest.mark.parametrize("sparse", [True, False])
 @pytest.mark.parametrize("backend", ["flex", "gather"])
-def test_cuda_backend_matches_dense_fp32(cuda_seed, backend, sparse):
+def test_cuda_backend_matches_dense_fp32(seed, backend, sparse):
     Bs, S = 64, 1000  # S not a multiple of the block; fixed so flex compiles once
     meta, q, k, v, w = _inputs(2, 4, 2, S, 64, Bs, torch.float32)
     common = dict(block_size=Bs, window=128, top_k=2, select_per=random.choice(["head", "kv_group"]))
     ref = _run(q, k, v, meta, AttentionConfig(backend="dense", dense_impl="eager", **common), sparse, w)
     got = _run(q, k, v, meta, AttentionConfig(backend=backend, **common), sparse, w)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
-        assert rel_err(a, b) < 1e-4, f"seed={cuda_seed} {backend} {name} {rel_err(a, b):.2e}"
+        assert rel_err(a, b) < 1e-4, f"seed={seed} {backend} {name} {rel_err(a, b):.2e}"
 
 
-def test_flex_bf16_close_to_fp32_reference(cuda_seed):
+def test_flex_bf16_close_to_fp32_reference(seed):
     Bs, S = 64, 1000
     meta, q, k, v, w = _inputs(2, 4, 2, S, 64, Bs, torch.bfloat16)
     cfg = dict(block_size=Bs, window=128, top_k=2)
@@ -60,10 +52,10 @@ def test_flex_bf16_close_to_fp32_reference(cuda_seed):
     got = _run(q, k, v, meta, AttentionConfig(backend="flex", **cfg), True, w)
     assert got[0].dtype == torch.bfloat16
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
-        assert rel_err(a, b) < 3e-2, f"seed={cuda_seed} {name} {rel_err(a, b):.2e}"
+        assert rel_err(a, b) < 3e-2, f"seed={seed} {name} {rel_err(a, b):.2e}"
 
 
-def test_flash_matches_dense(cuda_seed):
+def test_flash_matches_dense(seed):
     pytest.importorskip("flash_attn")
     Bs, S = 64, 1000
     meta, q, k, v, w = _inputs(2, 4, 2, S, 64, Bs, torch.bfloat16, visual=False)
@@ -72,7 +64,7 @@ def test_flash_matches_dense(cuda_seed):
     ref = _run(*(t.detach().float().requires_grad_() for t in (q, k, v)), meta,
                AttentionConfig(backend="dense", dense_impl="eager", block_size=Bs), False, w)
     for name, a, b in zip(("out", "dq", "dk", "dv"), _run(q, k, v, meta, cfg, False, w), ref):
-        assert rel_err(a, b) < 3e-2, f"seed={cuda_seed} {name} {rel_err(a, b):.2e}"
+        assert rel_err(a, b) < 3e-2, f"seed={seed} {name} {rel_err(a, b):.2e}"
 
 
 def test_auto_on_cuda_and_flash_fallback():

@@ -77,4 +77,4 @@ def test_tiny_model_trains_a_step_on_cuda() -> None:
     assert torch.isfinite(loss)
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
-    assert "kv_blocks" in out.captures[1]
+    assert "selection" in out.captures[1]

@@ -140,3 +140,29 @@ def test_seq_balance_loss_is_one_when_balanced() -> None:
 def test_config_errors_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         MoEConfig(n_routed=8, **kwargs)
+
+
+@pytest.mark.parametrize("path", FAST_PATHS + ["loop"])
+def test_padding_is_not_routed_counted_or_in_the_losses(path: str) -> None:
+    """A batch with padding routes exactly the real tokens: load, balance, z-loss and entropy are
+    those of the real tokens alone, whatever the padding holds; padding gets the shared expert only."""
+    torch.manual_seed(0)
+    moe = MoE(32, MoEConfig(n_routed=8, top_k=2, n_shared=1, expert_dim=16, dispatch=path))
+    x_BSD = torch.randn(2, 20, 32, requires_grad=True)
+    mod_BS = torch.randint(0, 3, (2, 20))
+    real_BS = torch.ones(2, 20, dtype=torch.bool)
+    real_BS[0, 13:], real_BS[1, 17:] = False, False
+    y, aux = moe(x_BSD, mod_BS, real_BS)
+    x2 = torch.where(real_BS[..., None], x_BSD, 50 * torch.randn_like(x_BSD))  # other padding
+    y2, aux2 = moe(x2, mod_BS, real_BS)
+    torch.testing.assert_close(y[real_BS], y2[real_BS])
+    for name in ("moe_seq_balance", "router_z", "load_3E", "router_entropy_3"):
+        torch.testing.assert_close(aux[name], aux2[name], msg=name)
+    assert int(aux["load_3E"].sum()) == 2 * int(real_BS.sum())
+    torch.testing.assert_close(y[~real_BS], moe.shared(x_BSD[~real_BS]))
+    # Rows of real tokens alone, one row at a time: the same load and routed outputs.
+    for b, n in ((0, 13), (1, 17)):
+        y_b, aux_b = moe(x_BSD[b:b + 1, :n], mod_BS[b:b + 1, :n])
+        torch.testing.assert_close(y_b[0], y[b, :n], atol=1e-6, rtol=1e-5)
+    (y.square().sum() + aux["router_z"] + aux["moe_seq_balance"]).backward()
+    assert torch.isfinite(x_BSD.grad).all()

@@ -62,9 +62,9 @@ class _Recorder:
     def __init__(self, attend):
         self.attend, self.calls = attend, []
 
-    def __call__(self, q, k, v, meta, cfg, sparse=False, capture=None):
+    def __call__(self, q, k, v, meta, cfg, sparse=False, capture=None, stats=None):
         cap = {} if capture is None else capture
-        out = self.attend(q, k, v, meta, cfg, sparse=sparse, capture=cap)
+        out = self.attend(q, k, v, meta, cfg, sparse=sparse, capture=cap, stats=stats)
         self.calls.append(dict(q=q, k=k, v=v, out=out, sparse=sparse, capture=cap, cfg=cfg))
         return out
 
@@ -83,12 +83,12 @@ def test_recomputed_rows_are_the_dense_eager_attention(monkeypatch, kind):
     for layer, call in enumerate(decoder_calls):
         q, k, v, sparse = call["q"], call["k"], call["v"], call["sparse"]
         H, K = q.shape[1], k.shape[1]
-        assert sparse == (layer == 1) and ("kv_blocks" in call["capture"]) == sparse
+        assert sparse == (layer == 1) and ("selection" in call["capture"]) == sparse
         p_HSS = recompute_probs(call["capture"], meta, call["cfg"], sparse, torch.arange(S), chunk=7)
         # The rows are the layer's own attention: P @ V is what the dense eager backend returned.
         out_HSD = p_HSS @ v[0].repeat_interleave(H // K, 0)
         torch.testing.assert_close(out_HSD, call["out"][0], atol=2e-5, rtol=1e-4)
-        mask_1HSS = dense_mask(meta, call["capture"].get("kv_blocks"), H)
+        mask_1HSS = dense_mask(meta, call["cfg"], call["capture"].get("selection"), H)
         ref_HSS = dense_probs(q, k, mask_1HSS.expand(1, H, S, S))[0]
         torch.testing.assert_close(p_HSS, ref_HSS, atol=1e-6, rtol=0)
         # The tool's reductions of those rows.
@@ -99,7 +99,7 @@ def test_recomputed_rows_are_the_dense_eager_attention(monkeypatch, kind):
         torch.testing.assert_close(r.sink_HR, p_HRS[..., 0], atol=1e-6, rtol=0)
         torch.testing.assert_close(r.entropy_HR, torch.special.entr(p_HRS).sum(-1), atol=1e-5, rtol=0)
         if sparse:  # the selection cut allowed pairs for these rows, and they get no probability
-            cut_HRS = (dense_mask(meta, None, H) & ~mask_1HSS)[0].expand(H, S, S)[:, rows_R]
+            cut_HRS = (dense_mask(meta, None, None, H) & ~mask_1HSS)[0].expand(H, S, S)[:, rows_R]
             assert cut_HRS.any(), "test setup: the sparse layer must cut something"
             assert (p_HRS[cut_HRS] == 0).all()
             unmasked_HRS = recompute_probs(call["capture"], meta, call["cfg"], False, rows_R)

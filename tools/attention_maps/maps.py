@@ -28,6 +28,7 @@ import torch
 
 from data_pipelines.batch import TEXT
 from models.attention import AttentionConfig, AttnMeta, build_meta
+from models.attention.recompute import block_pattern
 from models.attention.stats import doc_first_BS as doc_first_BS  # re-exported: shared with the trainer
 from models.attention.stats import row_stats, text_rows
 from models.multimodal import MultimodalModel
@@ -45,7 +46,7 @@ class LayerRows:
     entropy_HR: Tensor  # float32, nats
     sink_HR: Tensor  # float32, probability on the document's first token
     visual_HKV: Tensor | None  # float32, probabilities on the V visual tokens, for K kept rows (one document)
-    kv_blocks_GQN: Tensor | None  # bool block selection of batch row 0 (sparse layers)
+    kept_GQN: Tensor | None  # float share of a block's queries attending a key block (row 0, sparse layers)
     reach_QN: Tensor  # bool blocks the token rule can reach at all (batch row 0)
 
 
@@ -71,7 +72,7 @@ def parse_layers(spec: str | Sequence[int] | None, n_layers: int) -> list[int]:
 @torch.no_grad()
 def run_capture(model: MultimodalModel, inputs: dict[str, Tensor], layers: Sequence[int]
                 ) -> tuple[dict[int, dict], AttnMeta]:
-    """Forward with capture; -> ({layer: {"q", "k"[, "kv_blocks"]}}, the attention metadata)."""
+    """Forward with capture; -> ({layer: {"q", "k"[, "selection"]}}, the attention metadata)."""
     out = model(**inputs, capture_layers=list(layers), compute_logits=False)
     block = model.cfg.decoder.attention.block_size
     return out.captures, build_meta(inputs["doc_ids_BS"], inputs["span_ids_BS"], block)
@@ -98,9 +99,9 @@ def layer_rows(capture: dict, meta: AttnMeta, cfg: AttentionConfig, sparse: bool
 
     s = row_stats(capture, meta, cfg, sparse, rows_R2, modality_BS, doc_ids_BS, chunk,
                   on_chunk=None if visual_HKV is None else keep_maps)
-    sel = capture.get("kv_blocks")
+    kept_GQN, reach_QN = block_pattern(capture, meta, cfg, sparse)
     return LayerRows(layer, sparse, s.mass_HR.cpu(), s.entropy_HR.cpu(), s.sink_HR.cpu(), visual_HKV,
-                     sel[0].cpu() if sparse and sel is not None else None, meta.reach_BQN[0].cpu())
+                     kept_GQN if sparse else None, reach_QN)
 
 
 @dataclass

@@ -189,20 +189,21 @@ def mass_grid(mass_LH: np.ndarray, layers: list[int], layer_kinds: dict[int, str
     plt.close(fig)
 
 
-def block_pattern(kv_GQN, reach_QN, visual_N: np.ndarray, layer: int, path: Path) -> None:
-    """A sparse layer's kept key blocks per query block (one panel per selection head): kept, cut
-    (reachable under the token rule but not selected), unreachable; visual blocks marked on top."""
-    from matplotlib.colors import ListedColormap
+def block_pattern(kept_GQN, reach_QN, visual_N: np.ndarray, layer: int, path: Path) -> None:
+    """A sparse layer's kept key blocks per query block (one panel per selection head): blue with
+    the share of the block's tokens that keep it (selection is per token), orange where reachable
+    under the token rule but cut by the sparse rule, grey where unreachable; visual blocks marked."""
     from matplotlib.ticker import MaxNLocator
 
     plt = _pyplot()
-    kv, reach = np.asarray(kv_GQN, bool), np.asarray(reach_QN, bool)
-    G = kv.shape[0]
+    kept, reach = np.asarray(kept_GQN, np.float32), np.asarray(reach_QN, bool)
+    G = kept.shape[0]
     fig, axes = plt.subplots(1, G, figsize=(1.0 + 2.6 * G, 3.2), dpi=110, squeeze=False)
-    cmap = ListedColormap(["#f2f2f2", "#f4a582", "#2166ac"])
+    blue, orange, grey = (np.array(c) for c in ((0.13, 0.40, 0.67), (0.96, 0.65, 0.51), (0.95, 0.95, 0.95)))
     for g, ax in enumerate(axes[0]):
-        code = np.where(kv[g] & reach, 2, np.where(reach, 1, 0))
-        ax.imshow(code, cmap=cmap, vmin=0, vmax=2, interpolation="nearest")
+        share = kept[g][..., None]
+        rgb = np.where(reach[..., None], np.where(share > 0, 1 - share * (1 - blue), orange), grey)
+        ax.imshow(rgb, interpolation="nearest")
         for n in np.nonzero(visual_N)[0]:
             ax.plot([n - 0.5, n + 0.5], [-0.9, -0.9], color="#1b9e77", lw=4, clip_on=False)
         ax.set_title(f"layer {layer}, selection head {g}", fontsize=8)
@@ -211,7 +212,8 @@ def block_pattern(kv_GQN, reach_QN, visual_N: np.ndarray, layer: int, path: Path
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("query block", fontsize=7)
         ax.tick_params(labelsize=6)
-    fig.text(0.01, 0.01, "blue: kept   orange: cut by the sparse selection   grey: not reachable", fontsize=7)
+    fig.text(0.01, 0.01, "blue: kept (darker: by more of the block's tokens)   orange: cut by the sparse rule"
+             "   grey: not reachable", fontsize=7)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path)
     plt.close(fig)

@@ -91,14 +91,14 @@ def render_document(att: DocAttention, out: Path, heads: str | list[int] = "mean
         pics.tokens[pos] = TokenPictures(pos, row, k, files, {l: float(v.mean()) for l, v in masses.items()})
     for l in att.layers:
         r = att.per_layer[l]
-        if r.kv_blocks_GQN is None:
+        if r.kept_GQN is None:
             continue
         N, Bs = r.reach_QN.shape[1], att.block_size
         vis = np.zeros(N * Bs, bool)
         vis[: len(doc)] = doc.document.modality_L != TEXT
         visual_N = vis.reshape(N, Bs).any(1)
         path = out / f"{stem}_blocks_L{l}.png"
-        plots.block_pattern(r.kv_blocks_GQN.numpy(), r.reach_QN.numpy(), visual_N, l, path)
+        plots.block_pattern(r.kept_GQN.numpy(), r.reach_QN.numpy(), visual_N, l, path)
         pics.blocks[l] = path
     return pics
 

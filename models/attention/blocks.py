@@ -1,0 +1,140 @@
+"""The sparse block rule (one definition for every backend) and the per-tile key-block lists.
+
+`kept(...)` says whether a query token keeps a key block of its own document. Blocks are
+document-relative (meta.py); nq is the query's block, nk the key's:
+  * own:     nk == nq (the token rule inside: causal, spans bidirectional);
+  * window:  nq - ceil(window / Bs) <= nk < nq;
+  * sink:    nk == 0 (cfg.sink);
+  * visual:  nk < nq and block nk holds a visual token (cfg.visual_always);
+  * closure: clo <= nk <= chi, the blocks of the query's own visual span (text: none);
+  * picks:   nk is one of the query's top-k picks (select.py: completed earlier blocks only).
+Everything a query keeps is known from its own document's tokens at positions <= its own (plus
+its own visual span): the rule is causal by construction, and the tests check it as a property.
+
+`sparse_lists` turns the rule into what the gather/flex kernels visit: per aligned block (a
+kernel tile) and selection head, the sorted union of the blocks any of its tokens keeps, padded
+with the null block A to a common length T. Per-token differences inside a tile (closure, picks)
+are applied by `kept` inside the kernel. Memory O(A * T): never A x A.
+
+Legend: B batch rows, G selection heads, A aligned blocks, Bs block size, L = A * Bs slots,
+T listed blocks per tile, k = top_k, C tiles in a chunk, Q row blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import AttentionConfig
+from .meta import AttnMeta
+
+Tensor = torch.Tensor
+
+
+def window_blocks(cfg: AttentionConfig) -> int:
+    return -(-cfg.window // cfg.block_size)
+
+
+def kept(cfg: AttentionConfig, nq: Tensor, nk: Tensor, kvis: Tensor, clo: Tensor, chi: Tensor,
+         picks: Tensor | None = None) -> Tensor:
+    """The block rule above, broadcasting (picks carries one extra trailing dim of k, -1 = none)."""
+    before = nk < nq
+    keep = (nk == nq) | (before & (nk >= nq - window_blocks(cfg))) | ((nk >= clo) & (nk <= chi))
+    if cfg.sink:
+        keep = keep | (nk == 0)
+    if cfg.visual_always:
+        keep = keep | (before & kvis)
+    if picks is not None and picks.shape[-1]:
+        keep = keep | (picks == nk.unsqueeze(-1)).any(-1)
+    return keep
+
+
+def _dedupe(x_BGAT: Tensor, null: int) -> Tensor:
+    """Sorted distinct entries per row, nulls last, trimmed to the longest row (host sync)."""
+    x_BGAT = x_BGAT.sort(-1).values
+    dup_BGAT = torch.zeros_like(x_BGAT, dtype=torch.bool)
+    dup_BGAT[..., 1:] = x_BGAT[..., 1:] == x_BGAT[..., :-1]
+    x_BGAT = x_BGAT.masked_fill(dup_BGAT, null).sort(-1).values
+    T = max(int((x_BGAT < null).sum(-1).amax()), 1) if x_BGAT.numel() else 1
+    return x_BGAT[..., :T]
+
+
+def _ranges(lo_BA: Tensor, hi_BA: Tensor, null: int) -> Tensor:
+    """(B, A, W) lists lo, lo + 1, ..., hi (null past hi), W = the longest range (host sync)."""
+    W = max(int((hi_BA - lo_BA + 1).amax()), 0) if lo_BA.numel() else 0
+    idx_BAW = lo_BA[..., None] + torch.arange(W, device=lo_BA.device)
+    return torch.where(idx_BAW <= hi_BA[..., None], idx_BAW, null)
+
+
+def _visual_lists(first_BA: Tensor, vis_BA: Tensor, null: int) -> Tensor:
+    """Per aligned block a: the visual blocks of its document before a, as (B, A, V)."""
+    B, A = vis_BA.shape
+    a_A = torch.arange(A, device=vis_BA.device)
+    vpos_BA = torch.where(vis_BA, a_A, null).sort(-1).values  # visual blocks first, in order
+    before_BA = vis_BA.long().cumsum(1) - vis_BA.long()  # visual blocks strictly before a
+    lo_BA = before_BA.gather(1, first_BA)
+    idx_BAV = _ranges(lo_BA, before_BA - 1, -1)
+    got_BAV = vpos_BA.gather(1, idx_BAV.clamp_min(0).view(B, -1)).view(idx_BAV.shape)
+    return torch.where(idx_BAV >= 0, got_BAV, null)
+
+
+def sparse_lists(meta: AttnMeta, cfg: AttentionConfig, picks_BGLk: Tensor,
+                 block_picks_BGAk: Tensor | None = None) -> Tensor:
+    """(B, G, A, T) sorted aligned key blocks each tile visits, padded with the null block A."""
+    lay = meta.aligned()
+    B, A, Bs = meta.batch, lay.num_blocks, cfg.block_size
+    G, k = picks_BGLk.shape[1], picks_BGLk.shape[-1]
+    a_BA = torch.arange(A, device=lay.first_BA.device).expand(B, A)
+    first_BA = lay.first_BA
+    win_BAW = a_BA[..., None] - torch.arange(window_blocks(cfg) + 1, device=a_BA.device)
+    parts = [torch.where(win_BAW >= first_BA[..., None], win_BAW, A)]
+    if cfg.sink:
+        parts.append(first_BA[..., None])
+    if cfg.visual_always:
+        parts.append(_visual_lists(first_BA, lay.vis_BA, A))
+    span_BL = lay.clo_BL <= lay.chi_BL
+    first_BL = first_BA.repeat_interleave(Bs, 1)
+    big = torch.iinfo(torch.long).max
+    clo_BA = torch.where(span_BL, lay.clo_BL + first_BL, big).view(B, A, Bs).amin(-1)
+    chi_BA = torch.where(span_BL, lay.chi_BL + first_BL, -1).view(B, A, Bs).amax(-1)
+    parts.append(_ranges(torch.where(chi_BA >= 0, clo_BA, 0), chi_BA, A))
+    base_BGAW = torch.cat(parts, -1)[:, None].expand(B, G, A, -1)
+    if not k:
+        return _dedupe(base_BGAW, A)
+    if block_picks_BGAk is not None:
+        pk_BGAW = block_picks_BGAk
+    else:
+        pk_BGAW = picks_BGLk.reshape(B, G, A, Bs * k)
+    pk_BGAW = torch.where(pk_BGAW >= 0, pk_BGAW + first_BA[:, None, :, None], A)
+    return _dedupe(torch.cat([base_BGAW, pk_BGAW], -1), A)
+
+
+def tile_keep(meta: AttnMeta, cfg: AttentionConfig, list_BGCT: Tensor, a0: int,
+              picks_BGLk: Tensor) -> Tensor:
+    """(B, G, C, Bs, T) the block rule for every token of tiles a0 .. a0 + C against their lists."""
+    lay = meta.aligned()
+    B, G, C, T = list_BGCT.shape
+    Bs = cfg.block_size
+    first_B1C11 = lay.first_BA[:, a0:a0 + C].view(B, 1, C, 1, 1)
+    nq_B1C11 = torch.arange(a0, a0 + C, device=list_BGCT.device).view(1, 1, C, 1, 1) - first_B1C11
+    nk_BG1T = list_BGCT[:, :, :, None, :] - first_B1C11
+    vis_BX = torch.cat([lay.vis_BA, lay.vis_BA.new_zeros(B, 1)], 1)  # the null block: not visual
+    kvis_BGC1T = vis_BX.gather(1, list_BGCT.reshape(B, -1)).view(B, G, C, 1, T)
+    sl = slice(a0 * Bs, (a0 + C) * Bs)
+    clo_B1Cb1 = lay.clo_BL[:, sl].view(B, 1, C, Bs, 1)
+    chi_B1Cb1 = lay.chi_BL[:, sl].view(B, 1, C, Bs, 1)
+    k = picks_BGLk.shape[-1]
+    pk_BGCb1k = picks_BGLk[:, :, sl].reshape(B, G, C, Bs, 1, k)
+    return kept(cfg, nq_B1C11, nk_BG1T, kvis_BGC1T, clo_B1Cb1, chi_B1Cb1, pk_BGCb1k)
+
+
+def full_intervals(meta: AttnMeta) -> tuple[Tensor, Tensor]:
+    """Full layers, row layout: per row block q the range [lo, hi] of row blocks its tokens can
+    reach (first block of their documents .. q, or the end of a visual span of theirs). Cached."""
+    if "full_intervals" not in meta.cache:
+        B, S, Bs, Q = meta.batch, meta.seq_len, meta.block_size, meta.num_blocks
+        q_BQ = torch.arange(Q, device=meta.doc_BS.device).expand(B, Q)
+        tile_BS = torch.arange(S, device=q_BQ.device).expand(B, S) // Bs
+        lo_BQ = q_BQ.clone().scatter_reduce(1, tile_BS, meta.first_BS // Bs, "amin")
+        hi_BQ = q_BQ.clone().scatter_reduce(1, tile_BS, meta.span_last_BS // Bs, "amax")
+        meta.cache["full_intervals"] = (lo_BQ, hi_BQ)
+    return meta.cache["full_intervals"]
