@@ -37,11 +37,13 @@ _MAX_SCORE_ELEMS = 2**25  # cap on a chunk's score tensor (elements), whatever g
 def _chunk(q_BGCMD: Tensor, k_BGXbD: Tensor, v_BGXbD: Tensor, idx_BGCT: Tensor, doc_BXb: Tensor,
            skey_BXb: Tensor, pos_Xb: Tensor, c0: int, keep_BGCbT: Tensor | None) -> Tensor:
     B, G, C, M, D = q_BGCMD.shape
-    T, Bs = idx_BGCT.shape[-1], k_BGXbD.shape[-2]
+    X1, T, Bs = k_BGXbD.shape[2], idx_BGCT.shape[-1], k_BGXbD.shape[-2]
+    # index_select on flattened blocks: its backward is an index_add (advanced indexing's
+    # index_put with accumulate is several times slower on CPU).
+    flat_N = (idx_BGCT + X1 * torch.arange(B * G, device=idx_BGCT.device).view(B, G, 1, 1)).reshape(-1)
+    k_BGCJD = k_BGXbD.reshape(B * G * X1, Bs * D).index_select(0, flat_N).view(B, G, C, T * Bs, D)
+    v_BGCJD = v_BGXbD.reshape(B * G * X1, Bs * D).index_select(0, flat_N).view(B, G, C, T * Bs, D)
     b_B111 = torch.arange(B, device=idx_BGCT.device).view(B, 1, 1, 1)
-    g_1G11 = torch.arange(G, device=idx_BGCT.device).view(1, G, 1, 1)
-    k_BGCJD = k_BGXbD[b_B111, g_1G11, idx_BGCT].view(B, G, C, T * Bs, D)
-    v_BGCJD = v_BGXbD[b_B111, g_1G11, idx_BGCT].view(B, G, C, T * Bs, D)
     # Token rule inside the gathered blocks (null-block keys carry a doc no query has).
     doc_BGCJ = doc_BXb[b_B111, idx_BGCT].view(B, G, C, T * Bs)
     skey_BGCJ = skey_BXb[b_B111, idx_BGCT].view(B, G, C, T * Bs)
