@@ -61,16 +61,16 @@ def build_model(cfg: RunConfig, env: DistEnv, device: torch.device) -> tuple[Mul
 
 def _apply_checkpointing_and_compile(model: MultimodalModel, cfg: RunConfig, device: torch.device) -> None:
     if cfg.dist.activation_checkpointing:
-        _prime_probes(device)
+        prime_probes(device)
     for blocks in block_lists(model):
         for i, block in enumerate(blocks):
             if cfg.dist.activation_checkpointing:
-                _checkpoint_forward(block)
+                checkpoint_forward(block)
             if cfg.dist.compile:
                 blocks[i] = torch.compile(block)  # state-dict keys gain `_orig_mod.`; DCP strips it
 
 
-def _prime_probes(device: torch.device) -> None:
+def prime_probes(device: torch.device) -> None:
     """models/moe_dispatch probes `torch._grouped_mm` (forward + backward, cached) on first use.
     Inside a checkpointed block that first use saves tensors its recomputation does not, and
     torch.utils.checkpoint rejects the step; so run the probe up front (RNG left untouched)."""
@@ -81,7 +81,7 @@ def _prime_probes(device: torch.device) -> None:
             grouped_mm_supported(device.type, dtype)
 
 
-def _checkpoint_forward(block: nn.Module) -> None:
+def checkpoint_forward(block: nn.Module) -> None:
     """Recompute the block in backward. An instance-level forward keeps parameter names (and so
     checkpoints) identical with and without checkpointing; hooks such as FSDP's stay outside."""
     inner = block.forward

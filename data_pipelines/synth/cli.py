@@ -22,6 +22,8 @@ _FLAGS = (
     ("--video-size", "video_size", "video side in pixels (even)"),
     ("--frames", "frames", "frames per clip"),
     ("--fps", "fps", "clip frame rate"),
+    ("--min-images", "min_images", "images per interleaved document, at least"),
+    ("--max-images", "max_images", "images per interleaved document, at most (<= 9)"),
     ("--vocab-size", "vocab_size", "BPE vocabulary size (upper bound)"),
     ("--workers", "workers", "render processes, 0 = one per core (output does not depend on it)"),
 )

@@ -127,14 +127,16 @@ def tile_keep(meta: AttnMeta, cfg: AttentionConfig, list_BGCT: Tensor, a0: int,
     return kept(cfg, nq_B1C11, nk_BG1T, kvis_BGC1T, clo_B1Cb1, chi_B1Cb1, pk_BGCb1k)
 
 
-def full_intervals(meta: AttnMeta) -> tuple[Tensor, Tensor]:
-    """Full layers, row layout: per row block q the range [lo, hi] of row blocks its tokens can
-    reach (first block of their documents .. q, or the end of a visual span of theirs). Cached."""
-    if "full_intervals" not in meta.cache:
-        B, S, Bs, Q = meta.batch, meta.seq_len, meta.block_size, meta.num_blocks
+def full_intervals(meta: AttnMeta, tile: int) -> tuple[Tensor, Tensor]:
+    """Full layers, row layout in tiles of `tile` tokens: per tile q the range [lo, hi] of tiles its
+    tokens can reach (first tile of their documents .. q, or the end of a visual span of theirs)."""
+    key = ("full_intervals", tile)
+    if key not in meta.cache:
+        B, S = meta.batch, meta.seq_len
+        Q = -(-S // tile)
         q_BQ = torch.arange(Q, device=meta.doc_BS.device).expand(B, Q)
-        tile_BS = torch.arange(S, device=q_BQ.device).expand(B, S) // Bs
-        lo_BQ = q_BQ.clone().scatter_reduce(1, tile_BS, meta.first_BS // Bs, "amin")
-        hi_BQ = q_BQ.clone().scatter_reduce(1, tile_BS, meta.span_last_BS // Bs, "amax")
-        meta.cache["full_intervals"] = (lo_BQ, hi_BQ)
-    return meta.cache["full_intervals"]
+        tile_BS = torch.arange(S, device=q_BQ.device).expand(B, S) // tile
+        lo_BQ = q_BQ.clone().scatter_reduce(1, tile_BS, meta.first_BS // tile, "amin")
+        hi_BQ = q_BQ.clone().scatter_reduce(1, tile_BS, meta.span_last_BS // tile, "amax")
+        meta.cache[key] = (lo_BQ, hi_BQ)
+    return meta.cache[key]

@@ -27,6 +27,7 @@ class AttentionConfig:
     dense_impl: Literal["sdpa", "eager"] = "sdpa"  # eager = the fp32 reference
     gather_chunk: int = 32  # query blocks per gather chunk (bounds the transient memory)
     gather_checkpoint: bool = True  # recompute each chunk in backward: O(S*D) saved, not O(S*k*B)
+    full_tile: int = 64  # query tokens per tile of a full layer's gather path (it has no blocks)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -43,5 +44,7 @@ class AttentionConfig:
             raise ValueError(f"select: must be 'token' or 'block' (got {self.select!r})")
         if self.dense_impl not in ("sdpa", "eager"):
             raise ValueError(f"dense_impl: must be 'sdpa' or 'eager' (got {self.dense_impl!r})")
+        if self.full_tile < 1:
+            raise ValueError(f"full_tile: must be >= 1 (got {self.full_tile})")
         if self.gather_chunk < 1:
             raise ValueError(f"gather_chunk: must be >= 1 (got {self.gather_chunk})")

@@ -10,7 +10,8 @@ evaluated there). The compiled kernel is the CUDA training path; on CPU (torch 2
 flex is inference only, so `attend_flex` refuses to build a graph for backward there.
 
 Flex's Triton kernels need the BlockMask's block size to be a multiple of their tiles (128), so
-the BlockMask is built at Bf = lcm(Bs, 128) (a coarse pair is listed if any of its Bs-pairs is).
+a sparse layer's BlockMask is built at Bf = lcm(Bs, 128) (a coarse pair is listed if any of its
+Bs-pairs is); a full layer's at 128 (it has no blocks).
 
 Legend: B batch, H query heads, K kv heads, S tokens, D head dim, G selection heads (H, K),
 Bs block size, Bf = lcm(Bs, 128) flex block size, f = Bf // Bs, X / Y coarse query / key tiles,
@@ -104,14 +105,10 @@ def full_block_mask(meta: AttnMeta):
 
     if "flex_full" in meta.cache:
         return meta.cache["flex_full"]
-    B, S, Bs = meta.batch, meta.seq_len, meta.block_size
-    Bf = math.lcm(Bs, 128)
-    f, Q = Bf // Bs, meta.num_blocks
-    X = -(-Q // f)
-    lo_BQ, hi_BQ = full_intervals(meta)
-    lo_BX = F.pad(lo_BQ, (0, X * f - Q), value=2**40).view(B, X, f).amin(-1) // f
-    hi_BX = F.pad(hi_BQ, (0, X * f - Q), value=-1).view(B, X, f).amax(-1) // f
-    y_Y = torch.arange(X, device=lo_BQ.device)
+    B, S, Bf = meta.batch, meta.seq_len, 128  # full layers have no blocks: flex's own tile
+    X = -(-S // Bf)
+    lo_BX, hi_BX = full_intervals(meta, Bf)
+    y_Y = torch.arange(X, device=lo_BX.device)
     reach_BXY = (y_Y >= lo_BX[..., None]) & (y_Y <= hi_BX[..., None])
     # Full pairs: tile X lies in one document entirely, tile Y < X too (then every j < i).
     doc_BP = F.pad(meta.doc_BS, (0, X * Bf - S), value=-(2**40))

@@ -8,8 +8,9 @@ chunks of tiles to bound the transient memory; with `gather_checkpoint` each chu
 in backward (activation memory O(S * D) + one chunk's O(C * T * Bs^2)).
   * sparse layers run on the aligned layout (meta.py): tiles are document blocks, the lists
     come from `blocks.sparse_lists`;
-  * full layers run on the row layout: a tile visits the contiguous range of row blocks its
-    tokens can reach (`blocks.full_intervals`), generated per chunk, never stored as Q x T.
+  * full layers run on the row layout in tiles of cfg.full_tile tokens (they have no blocks, so
+    the tile is free): a tile visits the contiguous range of tiles its tokens can reach
+    (`blocks.full_intervals`), generated per chunk, never stored as Q x T.
 
 Legend: B batch, H query heads, K kv heads, S tokens, D head dim, G selection heads (H, K),
 R = H // G query heads per selection head, Bs block size, M = R * Bs query rows of a tile,
@@ -136,14 +137,16 @@ def attend_gather_full(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: Att
                        ) -> Tensor:
     """A full layer on the row layout: each tile visits every block its tokens can reach."""
     B, H, S, D = q_BHSD.shape
-    K, Q, Bs, P = k_BKSD.shape[1], meta.num_blocks, meta.block_size, meta.padded_len
-    lo_BQ, hi_BQ = full_intervals(meta)
+    K, Bs = k_BKSD.shape[1], cfg.full_tile  # tiles of the row layout: any size computes the same
+    Q = -(-S // Bs)
+    P = Q * Bs
+    lo_BQ, hi_BQ = full_intervals(meta, Bs)
     T = max(int((hi_BQ - lo_BQ + 1).amax()), 1)
     pad = (0, 0, 0, P - S)
     q_BKQMD = _tiles(F.pad(q_BHSD * (1 / math.sqrt(D)), pad), K, Q, Bs)
     k_BKXbD, v_BKXbD = _kv_blocks(F.pad(k_BKSD, pad), K, Bs), _kv_blocks(F.pad(v_BKSD, pad), K, Bs)
-    doc_BXb = torch.cat([meta.padded("doc"), meta.null.expand(B, Bs)], 1).view(B, Q + 1, Bs)
-    skey_BXb = torch.cat([meta.padded("skey"), meta.skey_BS.new_full((B, Bs), -(2**50))], 1)
+    doc_BXb = torch.cat([meta.padded("doc", Bs), meta.null.expand(B, Bs)], 1).view(B, Q + 1, Bs)
+    skey_BXb = torch.cat([meta.padded("skey", Bs), meta.skey_BS.new_full((B, Bs), -(2**50))], 1)
     skey_BXb = skey_BXb.view(B, Q + 1, Bs)
     t_T = torch.arange(T, device=q_BHSD.device)
 

@@ -98,9 +98,10 @@ class AttnMeta:
     def real_BS(self) -> Tensor:
         return self.doc_BS >= 0
 
-    def padded(self, name: str) -> Tensor:
-        """doc or skey padded to whole row blocks (P): padding gets `null` / unique keys."""
-        P, S = self.padded_len, self.seq_len
+    def padded(self, name: str, tile: int) -> Tensor:
+        """doc or skey padded to whole tiles of `tile` tokens: padding gets `null` / unique keys."""
+        S = self.seq_len
+        P = -(-S // tile) * tile
         if name == "doc":
             return torch.cat([self.doc_BS, self.null.expand(self.batch, P - S)], 1)
         pad = -torch.arange(S + 1, P + 1, device=self.doc_BS.device)

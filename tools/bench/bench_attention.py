@@ -15,21 +15,20 @@ down. What "peak memory" measures:
   * CUDA: torch.cuda.max_memory_allocated() minus the allocated bytes before the call; the budget
     is enforced with set_per_process_memory_fraction.
 Times are the median wall time of `--repeats` forward+backward steps after one warm-up step
-(which also compiles flex on CUDA).
+(which also compiles flex on CUDA). `--breakdown` adds what the sparse path holds besides the
+attention itself: the metadata (`build_meta` + the aligned layout), the selection (picks) and
+the per-tile block lists, as tensor bytes, and the time of the selection alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
 
-GiB = 1024**3
+from tools.bench.childproc import GiB, cap_address_space, peak_since, run_child
 
 
 def parse_args(argv=None):
@@ -45,9 +44,12 @@ def parse_args(argv=None):
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--select", default="block", choices=["token", "block"], help="who scores top-k blocks")
     p.add_argument("--full", action="store_true", help="full (non-sparse) layers instead of sparse")
     p.add_argument("--image-every", type=int, default=0,
                    help="insert a 256-token image span every N tokens (0: text only, one document)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="metadata / selection / lists bytes, selection time")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--budget-gib", type=float, default=24.0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
@@ -60,16 +62,6 @@ def parse_args(argv=None):
     args.backends = args.backends or (["gather", "dense"] + (["flex"] if args.device == "cuda" else []))
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return args
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _vm_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def child(args, backend: str, S: int) -> dict:
@@ -90,7 +82,8 @@ def child(args, backend: str, S: int) -> dict:
     k = torch.randn(B, K, S, D, device=dev, dtype=dtype, requires_grad=True)
     v = torch.randn(B, K, S, D, device=dev, dtype=dtype, requires_grad=True)
     dout = torch.randn(B, H, S, D, device=dev, dtype=dtype)
-    cfg = AttentionConfig(backend=backend, block_size=args.block, window=args.window, top_k=args.top_k)
+    cfg = AttentionConfig(backend=backend, block_size=args.block, window=args.window, top_k=args.top_k,
+                          select=args.select)
 
     def step():
         q.grad = k.grad = v.grad = None
@@ -105,20 +98,72 @@ def child(args, backend: str, S: int) -> dict:
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
-        base = _rss_bytes()
-        budget = int(args.budget_gib * GiB) + _vm_bytes()
-        resource.setrlimit(resource.RLIMIT_AS, (budget, budget))
+        base = cap_address_space(args.budget_gib)
     times = []
     for _ in range(args.repeats + 1):  # the first is the warm-up (its time is kept only if repeats == 0)
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
     times = times[1:] or times
-    if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"ok": True, "time_s": statistics.median(times), "peak_gib": peak / GiB}
+    peak = (torch.cuda.max_memory_allocated() - base) / GiB if dev.type == "cuda" else peak_since(base)
+    out = {"ok": True, "time_s": statistics.median(times), "peak_gib": peak}
+    if args.breakdown and not args.full:
+        out.update(breakdown(q, k, meta, cfg, dev))
+    return out
+
+
+def _nbytes(obj) -> int:
+    """Bytes of the tensors held by a dataclass (or dict) of tensors."""
+    import dataclasses
+
+    import torch
+
+    items = dataclasses.asdict(obj).values() if dataclasses.is_dataclass(obj) else obj.values()
+    return sum(t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor))
+
+
+def breakdown(q, k, meta, cfg, dev) -> dict:
+    """Sizes of the sparse path's metadata, selection and block lists, and the selection's time."""
+    import torch
+
+    from models.attention import select_blocks
+    from models.attention.blocks import sparse_lists
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        sel = select_blocks(q, k, meta, cfg)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        select_s = time.perf_counter() - t0
+        lists = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
+        old_s, old_b = previous_rule_cost(q, k, cfg)
+    meta_b = _nbytes({f: getattr(meta, f) for f in meta.__dataclass_fields__ if f != "cache"})
+    return {"meta_gib": (meta_b + _nbytes(meta.aligned())) / GiB, "select_gib": _nbytes(sel.__dict__) / GiB,
+            "lists_gib": lists.numel() * lists.element_size() / GiB, "lists_T": lists.shape[-1],
+            "select_s": select_s, "old_select_s": old_s, "old_gib": old_b / GiB}
+
+
+def previous_rule_cost(q, k, cfg) -> tuple[float, int]:
+    """Time and table bytes of the selection rule this project used before the causal one (its
+    cost only: block-mean queries of whole row blocks against block-mean keys, a Q x Q score
+    table per selection head, top-k; plus the seven Q x Q bool tables its metadata held)."""
+    import torch
+    import torch.nn.functional as F
+
+    t0 = time.perf_counter()
+    B, H, S, D = q.shape
+    K, Bs = k.shape[1], cfg.block_size
+    Q = -(-S // Bs)
+    pad = (0, 0, 0, Q * Bs - S)
+    qm_BKQD = F.pad(q.float(), pad).view(B, K, H // K, Q, Bs, D).mean((2, 4))
+    km_BKQD = F.pad(k.float(), pad).view(B, K, Q, Bs, D).mean(3)
+    score_BKQQ = qm_BKQD @ km_BKQD.transpose(-1, -2)
+    q_Q = torch.arange(Q, device=q.device)
+    score_BKQQ = score_BKQQ.masked_fill(q_Q[None, :] >= q_Q[:, None], float("-inf"))
+    score_BKQQ.topk(min(cfg.top_k, Q), dim=-1)
+    if q.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, score_BKQQ.numel() * 4 + 7 * B * Q * Q
 
 
 def probe(args, backend: str, S: int) -> dict:
@@ -133,17 +178,7 @@ def run_one(args, backend: str, S: int, repeats: int | None = None) -> dict:
     argv = [a for a in sys.argv[1:] if a != "--max-seq"]
     if repeats is not None:
         argv += ["--repeats", str(repeats)]
-    cmd = [sys.executable, "-m", "tools.bench.bench_attention", *argv, "--_child", f"{backend}:{S}"]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "why": f"timeout > {args.timeout:.0f}s"}
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if r.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    err = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-    oom = "memory" in err.lower() or "alloc" in err.lower() or r.returncode in (-9, 137)
-    return {"ok": False, "why": "OOM (over budget)" if oom else err[:120]}
+    return run_child("tools.bench.bench_attention", [*argv, "--_child", f"{backend}:{S}"], args.timeout)
 
 
 def fmt(res: dict, key: str, spec: str) -> str:
@@ -154,9 +189,12 @@ def bench_table(args) -> None:
     ref = "dense" if "dense" in args.backends else args.backends[0]
     print(f"\nfwd+bwd, {'full' if args.full else 'sparse'} layers, B={args.batch} H={args.heads} "
           f"Hkv={args.kv_heads} D={args.dim} block={args.block} window={args.window} top_k={args.top_k} "
-          f"{args.device} {args.dtype}, budget {args.budget_gib:g} GiB; ratios = {ref} / backend\n")
-    print(f"| S | backend | time (s) | peak mem (GiB) | speedup vs {ref} | memory saving vs {ref} |")
-    print("|---|---|---|---|---|---|")
+          f"select={args.select} {args.device} {args.dtype}, budget {args.budget_gib:g} GiB; "
+          f"ratios = {ref} / backend\n")
+    extra = (" metadata (GiB) | selection (GiB) | lists (GiB, T) | select (s) | previous rule (s / GiB) |"
+             if args.breakdown else "")
+    print(f"| S | backend | time (s) | peak mem (GiB) | speedup vs {ref} | memory saving vs {ref} |{extra}")
+    print("|---|---|---|---|---|---|" + "---|" * (5 if args.breakdown else 0))
     for S in args.seq:
         res = {b: run_one(args, b, S) for b in args.backends}
         for b in args.backends:
@@ -164,8 +202,12 @@ def bench_table(args) -> None:
             both = r.get("ok") and rr.get("ok")
             sp = f"{rr['time_s'] / r['time_s']:.1f}x" if both else "-"
             mem = f"{rr['peak_gib'] / max(r['peak_gib'], 1e-6):.1f}x" if both else "-"
-            print(f"| {S} | {b} | {fmt(r, 'time_s', '.3f')} | {fmt(r, 'peak_gib', '.2f')} | {sp} | {mem} |",
-                  flush=True)
+            more = ""
+            if args.breakdown and r.get("ok") and "meta_gib" in r:
+                more = (f" {r['meta_gib']:.4f} | {r['select_gib']:.4f} | {r['lists_gib']:.4f}, {r['lists_T']}"
+                        f" | {r['select_s']:.3f} | {r['old_select_s']:.3f} / {r['old_gib']:.4f} |")
+            row = f"| {S} | {b} | {fmt(r, 'time_s', '.3f')} | {fmt(r, 'peak_gib', '.2f')} | {sp} | {mem} |"
+            print(row + more, flush=True)
 
 
 def max_seq(args) -> None:
