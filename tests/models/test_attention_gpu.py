@@ -75,3 +75,22 @@ def test_auto_on_cuda_and_flash_fallback():
         full = resolve_backend(AttentionConfig(), q, meta, sparse=False)
         forced = resolve_backend(AttentionConfig(backend="flash"), q, meta, sparse=False)
     assert full == "flex" and forced == "flex"  # this batch has spans: flash cannot express them
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_compiled_flex_is_causal_on_cuda(seed, sparse):
+    """The property tests of test_attention_properties.py run the eager flex on CPU; this one runs
+    the compiled kernel (the BlockMask lists decide what it visits): future positions never move
+    the past."""
+    Bs, S = 64, 1000
+    meta, q, k, v, _ = _inputs(1, 4, 2, S, 64, Bs, torch.float32)
+    cfg = AttentionConfig(backend="flex", block_size=Bs, window=128, top_k=2,
+                          select=random.choice(["token", "block"]))
+    p = random.randrange(S // 4, 3 * S // 4)
+    later = (torch.arange(S, device="cuda") > p)[:, None]
+    with torch.no_grad():
+        ref = attend(q, k, v, meta, cfg, sparse)
+        got = attend(*(x + 3 * torch.randn_like(x) * later for x in (q, k, v)), meta, cfg, sparse)
+    span_BS = meta.span_last_BS[0]
+    past = (torch.arange(S, device="cuda") <= p) & (span_BS <= p)
+    assert (got - ref)[0][:, past].abs().max() < 1e-4, f"seed={seed} p={p}"

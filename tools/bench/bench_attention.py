@@ -137,10 +137,24 @@ def breakdown(q, k, meta, cfg, dev) -> dict:
         select_s = time.perf_counter() - t0
         lists = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
         old_s, old_b = previous_rule_cost(q, k, cfg)
+        mask_s = flex_mask_time(meta, cfg, sel, q.shape[1]) if dev.type == "cuda" else None
     meta_b = _nbytes({f: getattr(meta, f) for f in meta.__dataclass_fields__ if f != "cache"})
     return {"meta_gib": (meta_b + _nbytes(meta.aligned())) / GiB, "select_gib": _nbytes(sel.__dict__) / GiB,
             "lists_gib": lists.numel() * lists.element_size() / GiB, "lists_T": lists.shape[-1],
-            "select_s": select_s, "old_select_s": old_s, "old_gib": old_b / GiB}
+            "select_s": select_s, "old_select_s": old_s, "old_gib": old_b / GiB, "mask_s": mask_s}
+
+
+def flex_mask_time(meta, cfg, sel, H: int) -> float:
+    """Seconds to build a sparse layer's flex BlockMask from its selection (CUDA, synchronised)."""
+    import torch
+
+    from models.attention.flex import sparse_block_mask
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    sparse_block_mask(meta, cfg, sel, H)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def previous_rule_cost(q, k, cfg) -> tuple[float, int]:
@@ -192,9 +206,9 @@ def bench_table(args) -> None:
           f"select={args.select} {args.device} {args.dtype}, budget {args.budget_gib:g} GiB; "
           f"ratios = {ref} / backend\n")
     extra = (" metadata (GiB) | selection (GiB) | lists (GiB, T) | select (s) | previous rule (s / GiB) |"
-             if args.breakdown else "")
+             " flex mask build (s) |" if args.breakdown else "")
     print(f"| S | backend | time (s) | peak mem (GiB) | speedup vs {ref} | memory saving vs {ref} |{extra}")
-    print("|---|---|---|---|---|---|" + "---|" * (5 if args.breakdown else 0))
+    print("|---|---|---|---|---|---|" + "---|" * (6 if args.breakdown else 0))
     for S in args.seq:
         res = {b: run_one(args, b, S) for b in args.backends}
         for b in args.backends:
@@ -205,7 +219,8 @@ def bench_table(args) -> None:
             more = ""
             if args.breakdown and r.get("ok") and "meta_gib" in r:
                 more = (f" {r['meta_gib']:.4f} | {r['select_gib']:.4f} | {r['lists_gib']:.4f}, {r['lists_T']}"
-                        f" | {r['select_s']:.3f} | {r['old_select_s']:.3f} / {r['old_gib']:.4f} |")
+                        f" | {r['select_s']:.3f} | {r['old_select_s']:.3f} / {r['old_gib']:.4f} |"
+                        f" {'-' if r['mask_s'] is None else format(r['mask_s'], '.4f')} |")
             row = f"| {S} | {b} | {fmt(r, 'time_s', '.3f')} | {fmt(r, 'peak_gib', '.2f')} | {sp} | {mem} |"
             print(row + more, flush=True)
 

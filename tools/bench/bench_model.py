@@ -9,9 +9,10 @@ peak measured in the same run.
 The model section of the run config is used; the data section is not (batches are random).
 
 A step = forward + cross-entropy + MoE aux losses + backward + AdamW + MoE bias update. MFU =
-model FLOPs per token (models.counting: 6 x active matmul params + attention at each layer's real
-sparsity + the vision tower for the visual share) x tokens/s / measured peak. The peak is a large
-square matmul in the same dtype, so MFU here is "fraction of achievable matmul rate".
+model FLOPs per token (models.counting: 6 x active matmul params + attention at the keys each
+layer attended on the batch + the vision tower for the visual share) x tokens/s / measured peak.
+The peak is a large square matmul in the same dtype, so MFU here is "fraction of achievable
+matmul rate".
 """
 
 from __future__ import annotations
@@ -131,12 +132,16 @@ def main(argv: list[str] | None = None) -> None:
     b = batches[0]
     vis_frac = float((b["modality_BS"] != 0).float().mean())
     ppm = b["patches_NP"].shape[0] / max(b["grid_thw_M3"].shape[0], 1)
-    flops_tok = model.flops_per_token(args.seq_len, vis_frac, int(ppm))
+    with torch.no_grad():  # the keys each layer really attends on this batch (documents, sparsity)
+        stats = model(**b, attn_stats=True, compute_logits=False).attn_stats
+    keys = {i: float(st["keys"] / st["tokens"]) for i, st in stats.items()}
+    flops_tok = model.flops_per_token(args.seq_len, vis_frac, int(ppm), keys)
     peak = matmul_peak(device, dtype, args.peak_n or (8192 if device.type == "cuda" else 2048))
     tps = tokens / step_s
     print(f"# {args.config}: {model.num_params()}")
     print(f"# {args.device} {args.dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"batch {args.batch} x seq {args.seq_len}, visual {vis_frac:.0%}, {ppm:.0f} patches/medium")
+          f"batch {args.batch} x seq {args.seq_len}, visual {vis_frac:.0%}, {ppm:.0f} patches/medium, "
+          f"keys/token by layer {', '.join(f'{k:.0f}' for k in keys.values())}")
     print(f"step best {step_s * 1e3:.1f} ms (median {median_s * 1e3:.1f}), {tps:,.0f} tokens/s, "
           f"{flops_tok / 1e9:.4f} GFLOP/token, "
           f"model {flops_tok * tps / 1e12:.3f} TFLOP/s, matmul peak {peak / 1e12:.3f} TFLOP/s, "
