@@ -87,9 +87,13 @@ class DecoderLayer(nn.Module):
         """-> (x, aux); aux is {} for a dense FFN, else the MoE's losses and load (a pytree)."""
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF, meta, attn_cfg,
                                   sparse=self.sparse, capture=capture, stats=stats)
+        return self.feed_forward(x_BSD, modality_BS, meta.real_BS)
+
+    def feed_forward(self, x_BSD: Tensor, modality_BS: Tensor, real_BS: Tensor) -> tuple[Tensor, dict]:
+        """The FFN half of the block (also the KV-cache decode step's): -> (x, aux)."""
         h_BSD = self.ffn_norm(x_BSD)
         if isinstance(self.ffn, MoE):
-            y_BSD, aux = self.ffn(h_BSD, modality_BS, meta.real_BS)
+            y_BSD, aux = self.ffn(h_BSD, modality_BS, real_BS)
             return x_BSD + y_BSD, aux
         return x_BSD + self.ffn(h_BSD), {}
 

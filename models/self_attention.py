@@ -35,6 +35,12 @@ class SelfAttention(nn.Module):
 
     def forward(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor, meta, cfg: AttentionConfig,
                 sparse: bool = False, capture: dict | None = None, stats: dict | None = None) -> Tensor:
+        q_BHSE, k_BKSE, v_BKSE = self.project(x_BSD, cos_B1SF, sin_B1SF)
+        o_BHSE = attend(q_BHSE, k_BKSE, v_BKSE, meta, cfg, sparse=sparse, capture=capture, stats=stats)
+        return self.output(o_BHSE)
+
+    def project(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H, S, E), k and v (B, K, S, E): QK-norm and rotary applied (what a KV cache keeps)."""
         B, S, _ = x_BSD.shape
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x_BSD).view(B, S, H + 2 * K, E).transpose(1, 2)  # (B, H + 2K, S, E)
@@ -43,8 +49,11 @@ class SelfAttention(nn.Module):
             q_BHSE, k_BKSE = self.q_norm(q_BHSE), self.k_norm(k_BKSE)
         q_BHSE = apply_rotary(q_BHSE, cos_B1SF, sin_B1SF)
         k_BKSE = apply_rotary(k_BKSE, cos_B1SF, sin_B1SF)
-        o_BHSE = attend(q_BHSE, k_BKSE, v_BKSE.contiguous(), meta, cfg, sparse=sparse, capture=capture,
-                        stats=stats)
+        return q_BHSE, k_BKSE, v_BKSE.contiguous()
+
+    def output(self, o_BHSE: Tensor) -> Tensor:
+        """Attention output (B, H, S, E) -> (B, S, D)."""
+        B, H, S, E = o_BHSE.shape
         return self.wo(o_BHSE.transpose(1, 2).reshape(B, S, H * E))
 
     def reset_parameters(self, std: float, out_std: float) -> None:
