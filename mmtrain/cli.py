@@ -1,4 +1,5 @@
-"""`mmtrain` command line: `train`, `export`, `data synth|write|inspect`, `attn` (= `mmtrain-attn`).
+"""`mmtrain` command line: `train`, `export`, `generate`, `data synth|write|inspect`, `attn`
+(= `mmtrain-attn`).
 
 User mistakes (bad config, missing data, unwritable paths) print one line and exit 2; anything
 else is a bug and keeps its traceback.
@@ -27,7 +28,7 @@ def run_guarded(fn: Callable[[], int]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from data_pipelines import cli as data_cli
-    from mmtrain import export, train
+    from mmtrain import export, generate, train
 
     parser = argparse.ArgumentParser(prog="mmtrain", description="joint text + image + video pretraining")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                                              "of a checkpoint")
     export.add_arguments(p_export)
     p_export.set_defaults(func=export.run)
+    p_gen = sub.add_parser("generate", help="captions and continuations from a checkpoint (KV cache)")
+    generate.add_arguments(p_gen)
+    p_gen.set_defaults(func=generate.run)
     p_data = sub.add_parser("data", help="write, synthesise and inspect webdataset shards")
     data_cli.add_commands(p_data)
     from tools.attention_maps import cli as attn_cli  # tools -> mmtrain: imported only here, argparse only

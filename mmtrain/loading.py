@@ -1,4 +1,9 @@
-"""Load a checkpoint for inspection: config, model weights and tokenizer via `load_for_inference`."""
+"""Load a model for inference (generation, attention maps): config, weights and tokenizer.
+
+`load_model(path)` takes a checkpoint directory `RUN/step_<N>`, a run directory (its newest
+checkpoint that verifies against its manifest) or an `mmtrain export` directory, through
+`checkpoint.load_for_inference`; no optimizer, data loader or process group is built.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from data_pipelines.tokenizer import Tokenizer, load_tokenizer
 from mmtrain.checkpoint import load_for_inference
 from mmtrain.config import from_dict
 from mmtrain.errors import UserError
+from mmtrain.export import resolve_checkpoint
 from mmtrain.run_config import RunConfig
 from models.multimodal import MultimodalModel
 
@@ -49,7 +55,8 @@ def _tokenizer_spec(path: Path, tok_file: Path | None, spec: str) -> str | Path:
                     "was not found (run from the directory the run was trained in)")
 
 
-def _clean(state: dict) -> dict:
+def clean_state_dict(state: dict) -> dict:
+    """Without torch.compile / DDP prefixes, DTensor shards gathered (collective under FSDP)."""
     out = {}
     for k, v in state.items():
         for p in _PREFIXES:
@@ -59,10 +66,12 @@ def _clean(state: dict) -> dict:
 
 
 def load_model(path: str | Path, device: str = "cpu") -> Loaded:
-    """Checkpoint directory -> model in eval mode on `device`, its run config and tokenizer."""
+    """Checkpoint, run or export directory -> model in eval mode on `device`, its run config and
+    tokenizer."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"--ckpt {path}: no such checkpoint")
+    path = resolve_checkpoint(path)
     cfg_dict, state, tok_file = load_for_inference(path)
     cfg = from_dict(RunConfig, cfg_dict, source=str(path))
     tok = load_tokenizer(_tokenizer_spec(path, tok_file, cfg.data.tokenizer))
@@ -74,7 +83,7 @@ def load_model(path: str | Path, device: str = "cpu") -> Loaded:
                         "the tokenizer does not belong to this checkpoint")
     try:
         model = MultimodalModel(cfg.model)
-        missing, unexpected = model.load_state_dict(_clean(state), strict=False)
+        missing, unexpected = model.load_state_dict(clean_state_dict(state), strict=False)
     except (RuntimeError, ValueError) as e:  # shape mismatches
         first = str(e).strip().splitlines()
         raise UserError(f"{path}: weights do not match the checkpoint's config: "
@@ -85,3 +94,14 @@ def load_model(path: str | Path, device: str = "cpu") -> Loaded:
         raise UserError(f"{path}: weights do not match the checkpoint's config: {', '.join(what)} keys")
     dev = resolve_device(device)
     return Loaded(path, cfg, model.to(dev).eval(), tok, dev)
+
+
+def local_replica(raw_model: MultimodalModel, device: torch.device) -> MultimodalModel:
+    """`raw_model` itself, or when FSDP shards it an unsharded copy on `device` (every rank must
+    call this: gathering the shards is collective)."""
+    if not any(hasattr(p, "full_tensor") for p in raw_model.parameters()):
+        return raw_model
+    with torch.random.fork_rng(devices=[]):  # its throwaway initialisation must not move training's RNG
+        replica = MultimodalModel(raw_model.cfg).to(device)
+    replica.load_state_dict(clean_state_dict(raw_model.state_dict()))
+    return replica

@@ -15,7 +15,6 @@ import io
 import json
 import os
 import string
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,18 +25,18 @@ from data_pipelines.config import DataConfig, MediaConfig
 from data_pipelines.decode import (
     IMAGE_EXTS,
     VIDEO_EXTS,
-    decode_image,
     decode_json,
-    decode_video,
     sample_frame_indices,
 )
 from data_pipelines.documents import Document, build_documents, encode, parse_sample
 from data_pipelines.ledger import SkipSample
 from data_pipelines.packing import assemble
 from data_pipelines.preprocess import Decoded, subsample
-from data_pipelines.shards import RawSample, expand_shards, iter_shard
+from data_pipelines.shards import RawSample
 from data_pipelines.tokenizer import Tokenizer
 from mmtrain.errors import UserError
+from mmtrain.pointing import uniform_box
+from mmtrain.prompts import read_medium
 
 KIND_NAMES = {IMAGE: "image", VIDEO: "video"}
 # Object fields that are not one-word attributes a caption word could name.
@@ -82,11 +81,9 @@ class MediumInfo:
 
     def box_frame(self, frame: int, n_boxes: int) -> int:
         """Which of an object's n_boxes per-frame boxes belongs to frame `frame` of frames_THW3."""
-        if n_boxes == 1:
-            return 0
-        if self.source_frames is not None:
+        if self.source_frames is not None and n_boxes > 1:
             return min(self.source_frames[frame], n_boxes - 1)
-        return min(n_boxes - 1, int((frame + 0.5) * n_boxes / len(self.frames_THW3)))
+        return uniform_box(frame, len(self.frames_THW3), n_boxes)
 
 
 @dataclass
@@ -377,46 +374,8 @@ def doc_from_sample(raw: RawSample, tok: Tokenizer, cfg: DataConfig, text: str |
 def doc_from_file(path: str | Path, kind: str, text: str, tok: Tokenizer, cfg: DataConfig,
                   objects: list[ObjectBoxes] | None = None) -> DocInputs:
     """An image or video file followed by `text` (the layout of an image-text / video-text sample)."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read {kind}: {e.strerror or e}") from None
-    try:
-        frames = decode_image(data, cfg.media)[None] if kind == "image" else decode_video(data, cfg.media)
-    except SkipSample as e:
-        raise UserError(f"{path}: cannot read {kind}: {e}") from None
+    data, medium = read_medium(path, kind, cfg.media)
     if not text.strip():
         raise UserError("--text: give the text whose attention to show, e.g. --text \"a red circle\"")
-    medium = Decoded(IMAGE if kind == "image" else VIDEO, frames)
-    return build_doc_inputs(path.name, kind, [medium, text.strip()], tok, cfg, [data], [objects or []],
+    return build_doc_inputs(Path(path).name, kind, [medium, text.strip()], tok, cfg, [data], [objects or []],
                             strict_text=True)
-
-
-def read_sample(shard: str, key: str) -> RawSample:
-    urls = expand_shards([shard], "--shard")
-    for url in urls:
-        for raw in iter_shard(url):
-            if raw.key == key or os.path.basename(raw.key) == key:
-                return raw
-    raise UserError(f"--key {key}: no such sample in {shard}")
-
-
-def iter_val_samples(cfg: DataConfig) -> Iterator[tuple[str, RawSample]]:
-    """(source name, sample) of the val split, round-robin over its sources, each read in order."""
-    if not cfg.val:
-        raise UserError("data.val: the checkpoint's config has no val sources")
-
-    def source(src):
-        for url in expand_shards(src.shards, src.name):
-            for raw in iter_shard(url):
-                yield src.name, raw
-
-    iters = [source(s) for s in cfg.val]
-    while iters:
-        for it in list(iters):
-            item = next(it, None)
-            if item is None:
-                iters.remove(it)
-            else:
-                yield item

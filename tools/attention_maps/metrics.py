@@ -1,4 +1,6 @@
-"""Grounding metrics from recomputed attention: text-to-visual mass / entropy / sink, and the pointing game.
+"""Grounding metrics from recomputed attention: text-to-visual mass / entropy / sink, and the pointing game
+(its geometry -- token rectangles, box masks, hits, chance levels -- is mmtrain/pointing.py, shared
+with the collapse diagnostics).
 
 Pointing game (Zhang et al. 2016, adapted to a token grid). For a caption word that names exactly one
 object of the medium its text describes (the medium directly before the text), by one of the
@@ -32,6 +34,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from mmtrain import pointing
+from mmtrain.pointing import chance_levels, pointing_hit, touches
+
 from .inputs import DocInputs, MediumInfo, ObjectBoxes, Word
 from .maps import DocAttention
 
@@ -46,49 +51,19 @@ def word_category(field_name: str) -> str:
 
 def match_object(word: str, objects: list[ObjectBoxes]) -> tuple[int, str] | None:
     """(object index, category) of the one object the word names; None if none or several do."""
-    hits = [(i, f) for i, o in enumerate(objects) for f, v in o.attrs.items() if v == word]
-    if len({i for i, _ in hits}) != 1:
-        return None
-    return hits[0][0], word_category(hits[0][1])
+    m = pointing.match_object(word, [o.attrs for o in objects])
+    return None if m is None else (m[0], word_category(m[1]))
 
 
 def cell_rects(medium: MediumInfo) -> np.ndarray:
     """(h, w, 4) [x0, y0, x1, y1] of every merged token in the medium's original pixels."""
-    _, h, w = medium.grid_thw
-    oh, ow = medium.orig_hw
-    # A token is patch * merge resized px = resized_hw / (h, w); scaled to the original: orig_hw / (h, w).
-    ys, xs = np.linspace(0, oh, h + 1), np.linspace(0, ow, w + 1)
-    y0, x0 = np.meshgrid(ys[:-1], xs[:-1], indexing="ij")
-    y1, x1 = np.meshgrid(ys[1:], xs[1:], indexing="ij")
-    return np.stack([x0, y0, x1, y1], axis=-1)
+    return pointing.cell_rects(medium.grid_thw[1:], medium.orig_hw)
 
 
 def object_mask(obj: ObjectBoxes, medium: MediumInfo, slice_idx: int) -> np.ndarray:
     """bool (orig_h, orig_w): union of the object's boxes in the slice's frames."""
-    oh, ow = medium.orig_hw
-    mask = np.zeros((oh, ow), dtype=bool)
-    for f in medium.slice_frames[slice_idx]:
-        x0, y0, x1, y1 = obj.boxes[medium.box_frame(f, len(obj.boxes))]
-        ys = slice(max(0, int(np.floor(y0))), max(0, int(np.ceil(y1))))
-        mask[ys, max(0, int(np.floor(x0))):max(0, int(np.ceil(x1)))] = True
-    return mask
-
-
-def _touches(rect: np.ndarray, mask: np.ndarray) -> bool:
-    x0, y0, x1, y1 = rect
-    return bool(mask[int(np.floor(y0)):int(np.ceil(y1)), int(np.floor(x0)):int(np.ceil(x1))].any())
-
-
-def pointing_hit(map_hw: np.ndarray, rects_hw4: np.ndarray, mask: np.ndarray) -> tuple[bool, tuple[int, int]]:
-    """(hit, argmax cell): does the best token's pixel rectangle touch the mask?"""
-    r, c = np.unravel_index(int(np.argmax(map_hw)), map_hw.shape)
-    return _touches(rects_hw4[r, c], mask), (int(r), int(c))
-
-
-def chance_levels(rects_hw4: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
-    """(box area share, share of tokens whose rectangle touches the box)."""
-    cells = [_touches(rect, mask) for rect in rects_hw4.reshape(-1, 4)]
-    return float(mask.mean()), float(np.mean(cells))
+    boxes = [obj.boxes[medium.box_frame(f, len(obj.boxes))] for f in medium.slice_frames[slice_idx]]
+    return pointing.boxes_mask(boxes, medium.orig_hw)
 
 
 @dataclass
@@ -177,7 +152,7 @@ def pointing_trials(att: DocAttention, query: str = "token", heads: list[int] | 
                 hits[key].append(hit)
                 argmax[key].append(list(cell))
                 if other is not None:
-                    hits_other[key].append(_touches(rects[cell], other))
+                    hits_other[key].append(touches(rects[cell], other))
         out.append(Trial(doc.name, medium.kind_name, w.text, cat, w.start, w.end, w.medium, obj_i, query,
                          dict(hits), dict(argmax), float(np.mean(chances)), float(np.mean(cell_chances)),
                          dict(hits_other) if others else None))

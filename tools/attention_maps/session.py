@@ -10,10 +10,11 @@ from pathlib import Path
 
 from data_pipelines.ledger import SkipSample
 from mmtrain.errors import UserError
+from mmtrain.loading import Loaded, load_model
+from mmtrain.prompts import iter_val_samples, read_sample
 
 from . import plots
-from .inputs import NoMediaError, doc_from_file, doc_from_sample, iter_val_samples, load_boxes, read_sample
-from .loading import Loaded, load_model
+from .inputs import NoMediaError, doc_from_file, doc_from_sample, load_boxes
 from .maps import DocAttention, analyze_document, parse_layers
 from .metrics import Grounding, pointing_rows, scorable_words, token_records
 from .render import DocPictures, layer_kinds, render_document
