@@ -8,6 +8,7 @@ Signals (docs: DESIGN "Objectives, balancing, diagnostics"):
     same code as the attention-map tool);
   * per MoE layer, the expert load per modality (share of that modality's routed tokens) and the
     router entropy per modality;
+  * the pointing game of caption words on val images/videos with key.json boxes (pointing.py);
   * effective rank of the mean-pooled visual embeddings of each medium, per kind (Roy & Vetterli
     2007: exp of the entropy of the normalised singular values). Uncentred: it measures how many
     directions the media span, which is what an RMS-normalising decoder sees (a large shared
@@ -46,6 +47,7 @@ from torch import nn
 from data_pipelines.batch import IMAGE, MODALITY_NAMES, TASK_NAMES, TEXT, VIDEO, PackedBatch
 from mmtrain.evaluate import MEDIA_TASKS, blank_media
 from mmtrain.objectives import task_losses
+from mmtrain.pointing import GroundingDoc, pointing_scores
 from models.attention import AttentionConfig, build_meta, even_subset, row_stats, text_rows
 
 Tensor = torch.Tensor
@@ -68,9 +70,13 @@ class DiagConfig:
     min_effective_rank: float = 2.0
     max_expert_load_ratio: float = 4.0  # max / mean expert load within one modality and MoE layer
     min_router_entropy: float = 0.1  # nats
+    # Pointing game (mmtrain/pointing.py) on the first val images/videos whose key.json has boxes,
+    # each with its own caption; 0 = off (corpora without boxes: nothing to score).
+    pointing_media: int = 8
 
     def __post_init__(self) -> None:
-        for name, low in (("every", 0), ("batches", 1), ("max_rows", 1), ("warmup_steps", 0)):
+        for name, low in (("every", 0), ("batches", 1), ("max_rows", 1), ("warmup_steps", 0),
+                          ("pointing_media", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: must be an integer >= {low} (got {value!r})")
@@ -106,6 +112,7 @@ class DiagResult:
     media: dict[str, int]
     batches: int
     cfg: DiagConfig = field(default_factory=DiagConfig)
+    pointing: dict[str, dict] = field(default_factory=dict)  # category -> n, accuracy, chance_cell
 
     @property
     def reliance_gap(self) -> dict[str, float]:
@@ -137,6 +144,9 @@ class DiagResult:
         out.update({f"{prefix}/effective_rank_{k}": v for k, v in ranks.items()})
         centred = {k: v for k, v in self.effective_rank_centered.items() if v is not None}
         out.update({f"{prefix}/effective_rank_centered_{k}": v for k, v in centred.items()})
+        for cat, p in self.pointing.items():
+            out[f"{prefix}/pointing_{cat}"] = p["accuracy"]
+            out[f"{prefix}/pointing_chance_{cat}"] = p["chance_cell"]
         out[f"{prefix}/alarms"] = float(len(self.alarms()))
         return out
 
@@ -190,7 +200,7 @@ class DiagResult:
             "expert_mean_load": {str(k): v for k, v in self.expert_mean_load.items()},
             "router_entropy": {str(k): v for k, v in self.router_entropy.items()},
             "effective_rank": self.effective_rank, "effective_rank_centered": self.effective_rank_centered,
-            "media": self.media, "alarms": self.alarms(),
+            "media": self.media, "pointing": self.pointing, "alarms": self.alarms(),
             "config": asdict(self.cfg),
         }
 
@@ -274,23 +284,30 @@ class _Layout:
 def run_diagnostics(model: nn.Module, batches: Iterable[PackedBatch], device: torch.device | str,
                     cfg: DiagConfig, step: int,
                     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                    reduce_fn: Callable[[Tensor], None] | None = None, raw_model: nn.Module | None = None
-                    ) -> DiagResult:
+                    reduce_fn: Callable[[Tensor], None] | None = None, raw_model: nn.Module | None = None,
+                    grounding: list[GroundingDoc] | None = None) -> DiagResult:
     """Collapse signals on the first cfg.batches of `batches`; training state is left untouched
     (eval mode inside, module modes and CPU/CUDA RNG restored after, no MoE load accumulated).
 
-    reduce_fn: sums a float64 1-D tensor across data-parallel ranks in place (called once)."""
+    reduce_fn: sums a float64 1-D tensor across data-parallel ranks in place (called once).
+    grounding: documents with boxes for the pointing game (`pointing.grounding_docs`), the same on
+    every rank (so no reduction)."""
     device = torch.device(device)
-    layout = _Layout.of(raw_model if raw_model is not None else getattr(model, "module", model))
+    raw = raw_model if raw_model is not None else getattr(model, "module", model)
+    layout = _Layout.of(raw)
     sums = _Sums(layout.shapes(), device)
-    n_batches = 0
+    n_batches, pointing = 0, {}
     with _frozen_state(model, device):
         for batch in itertools.islice(batches, cfg.batches):
             _diagnose_batch(model, batch.to(device), layout, sums, cfg, autocast)
             n_batches += 1
+        if grounding:
+            pointing = pointing_scores(model, grounding, device, raw.cfg, autocast)
     if reduce_fn is not None:
         reduce_fn(sums.flat)
-    return _result(sums, layout, step, n_batches, cfg)
+    result = _result(sums, layout, step, n_batches, cfg)
+    result.pointing = pointing
+    return result
 
 
 @contextlib.contextmanager

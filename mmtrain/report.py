@@ -1,4 +1,5 @@
-"""The end-of-run table: per-modality loss at the start and the end, and the reliance gaps."""
+"""The end-of-run tables: per-modality loss at the start and the end, and the reliance gaps; the
+captioning eval's attribute accuracies (when it ran)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,28 @@ def summary_table(summary: dict) -> Table:
     return table
 
 
+def caption_table(summary: dict) -> Table | None:
+    """Attribute accuracy of greedy val captions, start and end, and with the media blanked."""
+    start, end = summary["start"].get("captions"), summary["end"].get("captions")
+    if not end:
+        return None
+    table = Table(title=f"captions of {end['prompts']} val images and videos (greedy)")
+    for col in ("attribute", "words", "acc start", "acc end", "blank end", "gap end"):
+        table.add_column(col, justify="left" if col == "attribute" else "right", no_wrap=True)
+    table.caption = "gap: generation reliance gap, accuracy with real media minus with media blanked"
+    for attr, acc in end["accuracy"].items():
+        acc_s = (start or {}).get("accuracy", {}).get(attr)
+        table.add_row(attr, str(end["words"][attr]), "-" if acc_s is None else f"{acc_s:.1%}", f"{acc:.1%}",
+                      f"{end['blank_accuracy'][attr]:.1%}", f"{end['gap'][attr]:+.1%}")
+    return table
+
+
 def print_summary(summary: dict, seconds: float | None = None) -> None:
     console = Console(highlight=False)
     console.print(summary_table(summary))
+    captions = caption_table(summary)
+    if captions is not None:
+        console.print(captions)
     extra = f" in {seconds / 60:.1f} min" if seconds is not None else ""
     console.print(
         f"{summary['steps']} steps, {summary['tokens_seen']:,} tokens{extra}; "

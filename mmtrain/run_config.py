@@ -7,6 +7,7 @@ from typing import Literal
 
 from data_pipelines.config import DataConfig
 from mmtrain.balance import BalanceConfig
+from mmtrain.captioning import CaptionEvalConfig
 from mmtrain.diagnostics import DiagConfig
 from models.multimodal import ModelConfig
 
@@ -163,6 +164,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     diagnostics: DiagConfig = field(default_factory=DiagConfig)
+    captions: CaptionEvalConfig = field(default_factory=CaptionEvalConfig)  # captioning eval (every eval)
 
     def __post_init__(self):
         self._check_objectives()

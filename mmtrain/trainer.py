@@ -31,6 +31,7 @@ from data_pipelines.loader import build_loader
 from data_pipelines.tokenizer import load_tokenizer
 from mmtrain import train_state
 from mmtrain.balance import build_balancer
+from mmtrain.captioning import CaptionEval
 from mmtrain.checkpoint import TOKENIZER_FILE, Checkpointer, tokenizer_file
 from mmtrain.config import to_dict
 from mmtrain.diagnostics import run_diagnostics
@@ -43,6 +44,7 @@ from mmtrain.objectives import head_grads, task_losses, weighted_total, z_loss
 from mmtrain.optim import build_optimizer, build_scheduler
 from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync
 from mmtrain.perf import Window, peak_memory_gib, peak_tflops
+from mmtrain.pointing import grounding_docs
 from mmtrain.run_config import RunConfig
 from mmtrain.run_dir import RESOLVED_CONFIG, prepare_run_dir
 from models.attention.counts import ATTN_COUNTS
@@ -104,6 +106,8 @@ class Trainer:
         self._attn_acc: dict[int, torch.Tensor] | None = None  # attention counts, on log steps
         self.attn_stats: dict[int, dict] = {}  # per layer, latest log step: kept_frac, keys_per_token
         self._val_cache: list[PackedBatch] | None = None
+        self.captioner = CaptionEval(cfg.captions, cfg.data)  # greedy captions of fixed val media, every eval
+        self._grounding: list | None = None  # diagnostics' pointing-game documents (built at first use)
         self.verbose = verbose
         self._wait_total = 0.0  # data-wait and step seconds since this process started
         self._time_total = 0.0
@@ -400,11 +404,13 @@ class Trainer:
     def _evaluate(self, log: RunLogger) -> EvalResult:
         result = evaluate_ranks(self.model, self.val_batches(), self.device, self.env, self._pad_batch,
                                 self._autocast)
-        self.evals.append({"step": self.step, **result.to_dict()})
         log.scalars(self.step, result.scalars())
         parts = [f"{t} {v:.3f}" for t, v in result.loss.items()]
         gaps = [f"{t} {v:+.3f}" for t, v in result.reliance_gap.items()]
         log.info(f"eval @ {self.step}: loss {', '.join(parts)} | reliance gap {', '.join(gaps)}")
+        captions = self.captioner(self.raw_model, self.cfg, self.tokenizer, self.device, self.step, self.env,
+                                  self._autocast, log)  # {"captions": ...} or {} (off, or no attributes)
+        self.evals.append({"step": self.step, **result.to_dict(), **captions})
         return result
 
     def _pad_batch(self) -> PackedBatch:
@@ -416,8 +422,10 @@ class Trainer:
         cfg = self.cfg.diagnostics
         batches = pad_to_most(self.val_batches()[:cfg.batches], self.env, self.device, self._pad_batch)
         reduce_fn = (lambda t: all_reduce(t, self.env)) if self.env.distributed else None
+        if self._grounding is None:  # val media with boxes for the pointing game, read once
+            self._grounding = grounding_docs(self.cfg.data, self.tokenizer, cfg.pointing_media)
         result = run_diagnostics(self.model, batches, self.device, cfg, self.step, self._autocast, reduce_fn,
-                                 raw_model=self.raw_model)
+                                 raw_model=self.raw_model, grounding=self._grounding)
         self.diagnostics.append(result.to_dict())  # with its step and alarms
         alarms = self.diagnostics[-1]["alarms"]
         log.scalars(self.step, result.scalars())

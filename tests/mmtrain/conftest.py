@@ -41,7 +41,7 @@ def tiny_raw(corpus: Path, run_dir: Path) -> dict:
         "model.decoder.moe.n_routed=4", "model.decoder.moe.expert_dim=32",
         "train.steps=8", "train.eval_every=0", "train.ckpt_every=4", "train.log_every=2",
         "train.eval_batches=2", "optim.warmup_steps=2", "train.threads=0",
-        "loss.balancer.kind=static", "diagnostics.every=0",
+        "loss.balancer.kind=static", "diagnostics.every=0", "captions.images=0", "captions.videos=0",
     ]:
         apply_override(raw, item)
     return raw

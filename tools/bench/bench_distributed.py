@@ -40,7 +40,8 @@ def run(config: str, run_dir: Path, nproc: int, threads: int, batch: int, steps:
     cmd += ["-m", "mmtrain.train", config, "--quiet", *[a for s in sets for a in ("--set", s)]]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][5:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    recs = [r for r in map(json.loads, lines) if "eval" not in r][5:]  # step records only
     step = statistics.median(r["step_s"] for r in recs)
     compute = statistics.median(r["step_s"] - r["wait_s"] for r in recs)
     tokens = statistics.median(r["tokens"] for r in recs)
