@@ -15,8 +15,8 @@ layer's step grows with the kept blocks, not with the context.
 """
 
 from .cache import KVCache, LayerCache
-from .engine import decode_step, encode_media, prefill, prompt_lengths
+from .engine import decode_step, encode_media, new_cache, prefill, prompt_lengths
 from .generate import SamplingConfig, TokenOutput, generate_tokens, top_p_filter
 
 __all__ = ["KVCache", "LayerCache", "SamplingConfig", "TokenOutput", "decode_step", "encode_media",
-           "generate_tokens", "prefill", "prompt_lengths", "top_p_filter"]
+           "generate_tokens", "new_cache", "prefill", "prompt_lengths", "top_p_filter"]

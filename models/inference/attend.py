@@ -19,6 +19,7 @@ gathered keys, k = top_k.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +67,17 @@ def _picks(cfg: AttentionConfig, lc: LayerCache, qsel_BGE: Tensor, nq_B11: Tenso
     return F.pad(picks_BGk, (0, cfg.top_k - picks_BGk.shape[-1]), value=-1)
 
 
-def kept_lists(cfg: AttentionConfig, lc: LayerCache, p_B: Tensor, qsel_BGE: Tensor) -> tuple[Tensor, Tensor]:
-    """(idx_BGT, valid_BGT): the blocks the new token of each row keeps, per selection head, scored
-    with the selection queries qsel (the token's own, or the previous block's mean)."""
+class KeptKeys(NamedTuple):
+    """The keys a new token may attend to in a sparse layer, ready to gather (J = T * Bs keys)."""
+
+    flat_N: Tensor  # int64 (B * G * T,) rows of the (B * K * Nc, Bs * E) view of the K/V buffers
+    pos_BGJ: Tensor  # int64 position of every gathered key
+    listed_BGJ: Tensor  # bool: the key's block is listed (rows and heads keep different counts)
+
+
+def kept_keys(cfg: AttentionConfig, lc: LayerCache, p_B: Tensor, qsel_BGE: Tensor) -> KeptKeys:
+    """The blocks the new token of each row keeps, per selection head (scored with qsel: the
+    token's own query or the previous block's mean), as gather indices."""
     Bs = cfg.block_size
     nq_B = p_B // Bs
     N = int(nq_B.max()) + 1
@@ -78,35 +87,34 @@ def kept_lists(cfg: AttentionConfig, lc: LayerCache, p_B: Tensor, qsel_BGE: Tens
         picks_BGk = _picks(cfg, lc, qsel_BGE, nq_B11, nk_11N, base_B1N)
         keep_BGN = kept(cfg, nq_B11, nk_11N, lc.vis_BN[:, None, :N], nq_B.new_tensor(NO_SPAN),
                         nq_B.new_tensor(-1), picks_BGk[:, :, None, :])
-    # Compact the kept blocks of every (row, head) to the front of a (B, G, T) list.
+    # Compact the kept blocks of every (row, head) to the front of a (B, G, T) list (block 0 pads).
+    B, G = keep_BGN.shape[:2]
     count_BG = keep_BGN.sum(-1)
     T = max(int(count_BG.max()), 1)
     slot_BGN = torch.where(keep_BGN, keep_BGN.long().cumsum(-1) - 1, T)
-    idx_BGT = torch.zeros(*keep_BGN.shape[:2], T + 1, dtype=torch.long, device=p_B.device)
-    idx_BGT.scatter_(-1, slot_BGN, nk_11N.expand_as(slot_BGN).contiguous())
-    idx_BGT = idx_BGT[..., :T]
-    return idx_BGT, torch.arange(T, device=p_B.device) < count_BG[..., None]  # unlisted: block 0
-
-
-def gather_attend(q_BH1E: Tensor, lc: LayerCache, p_B: Tensor, idx_BGT: Tensor, valid_BGT: Tensor,
-                  block_size: int) -> Tensor:
-    """(B, H, 1, E): softmax over the keys of the listed blocks only (positions <= p_b)."""
-    B, H, _, E = q_BH1E.shape
-    K, C = lc.k_BKCE.shape[1], lc.k_BKCE.shape[2]
-    G, T, Bs = idx_BGT.shape[1], idx_BGT.shape[2], block_size
-    Nc = C // Bs
+    idx_BGT = torch.zeros(B, G, T + 1, dtype=torch.long, device=p_B.device)
+    idx_BGT = idx_BGT.scatter_(-1, slot_BGN, nk_11N.expand_as(slot_BGN).contiguous())[..., :T]
+    K, Nc = lc.k_BKCE.shape[1], lc.k_BKCE.shape[2] // Bs
     kv_G = torch.arange(G, device=p_B.device) * K // G  # the kv head of each selection head
     flat_BGT = (torch.arange(B, device=p_B.device).view(B, 1, 1) * K + kv_G.view(1, G, 1)) * Nc + idx_BGT
-    flat_N = flat_BGT.reshape(-1)
-    k_BGJE = lc.k_BKCE.reshape(B * K * Nc, Bs * E).index_select(0, flat_N).view(B, G, T * Bs, E)
-    v_BGJE = lc.v_BKCE.reshape(B * K * Nc, Bs * E).index_select(0, flat_N).view(B, G, T * Bs, E)
     pos_BGJ = (idx_BGT[..., None] * Bs + torch.arange(Bs, device=p_B.device)).view(B, G, T * Bs)
-    ok_BGJ = valid_BGT.repeat_interleave(Bs, -1) & (pos_BGJ <= p_B.view(B, 1, 1))
+    listed_BGT = torch.arange(T, device=p_B.device) < count_BG[..., None]
+    return KeptKeys(flat_BGT.reshape(-1), pos_BGJ, listed_BGT.repeat_interleave(Bs, -1))
+
+
+def gather_attend(q_BH1E: Tensor, lc: LayerCache, p_B: Tensor, keys: KeptKeys, block_size: int) -> Tensor:
+    """(B, H, 1, E): softmax over the gathered keys only (those at positions <= p_b)."""
+    B, H, _, E = q_BH1E.shape
+    K, C = lc.k_BKCE.shape[1], lc.k_BKCE.shape[2]
+    G, J = keys.pos_BGJ.shape[1:]
+    rows = B * K * (C // block_size)
+    k_BGJE = lc.k_BKCE.view(rows, block_size * E).index_select(0, keys.flat_N).view(B, G, J, E)
+    v_BGJE = lc.v_BKCE.view(rows, block_size * E).index_select(0, keys.flat_N).view(B, G, J, E)
+    ok_BG1J = (keys.listed_BGJ & (keys.pos_BGJ <= p_B.view(B, 1, 1)))[:, :, None]
     q_BGRE = q_BH1E.view(B, G, H // G, E)
     dt = torch.promote_types(q_BGRE.dtype, torch.float32)
     s_BGRJ = (q_BGRE.to(dt) @ k_BGJE.to(dt).transpose(-1, -2)) / math.sqrt(E)
-    p_BGRJ = s_BGRJ.masked_fill(~ok_BGJ[:, :, None], float("-inf")).softmax(-1)
-    o_BGRE = p_BGRJ @ v_BGJE.to(dt)
+    o_BGRE = s_BGRJ.masked_fill(~ok_BG1J, float("-inf")).softmax(-1) @ v_BGJE.to(dt)
     return o_BGRE.reshape(B, H, 1, E).to(q_BH1E.dtype)
 
 
@@ -121,13 +129,13 @@ def sparse_decode(q_BH1E: Tensor, lc: LayerCache, p_B: Tensor, cfg: AttentionCon
     """(B, H, 1, E) of a sparse layer; keeps lc's block-selection state up to date."""
     Bs = cfg.block_size
     qtok_BGE = selection_query(cfg, lc, q_BH1E)
-    if cfg.select == "block":
-        if lc.lists is None or bool((p_B % Bs == 0).any()):  # a row entered a new block
-            lc.lists = kept_lists(cfg, lc, p_B, lc.qprev_BGE)
-        idx_BGT, valid_BGT = lc.lists
+    if cfg.select == "block":  # one choice per block: rebuilt when a row enters a new block
+        if lc.kept is None or bool((p_B % Bs == 0).any()):
+            lc.kept = kept_keys(cfg, lc, p_B, lc.qprev_BGE)
+        keys = lc.kept
     else:
-        idx_BGT, valid_BGT = kept_lists(cfg, lc, p_B, qtok_BGE)
-    out = gather_attend(q_BH1E, lc, p_B, idx_BGT, valid_BGT, Bs)
+        keys = kept_keys(cfg, lc, p_B, qtok_BGE)
+    out = gather_attend(q_BH1E, lc, p_B, keys, Bs)
     if cfg.select == "block":
         push_block_query(lc, qtok_BGE, p_B, Bs)
     return out

@@ -8,8 +8,8 @@ position, never concatenated). Sparse layers also keep what their selection read
     a block is final when the block completes (only completed blocks are ever scored);
   * vis: whether a block holds a visual token (visual_always);
   * select == "block": the selection heads' queries of the current block (qcur), the mean query of
-    the previous block (qprev), and the current block's list of kept blocks (constant inside a
-    block, so it is rebuilt only when a row enters a new block).
+    the previous block (qprev), and the keys the current block keeps (constant inside a block, so
+    rebuilt only when a row enters a new block).
 Slots past a row's length hold zeros (so a partial block's mean is the sum of its tokens / Bs
 until it completes, when it is exactly the training forward's block mean).
 
@@ -20,6 +20,7 @@ blocks, E head dim, Bs block size, T listed blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ class LayerCache:
     vis_BN: Tensor | None = None  # bool (sparse layers)
     qcur_BGbE: Tensor | None = None  # fp32 selection queries of the current block (select == "block")
     qprev_BGE: Tensor | None = None  # fp32 mean query of the previous block (select == "block")
-    lists: tuple[Tensor, Tensor] | None = field(default=None, repr=False)  # (idx_BGT, valid_BGT)
+    kept: Any = field(default=None, repr=False)  # select == "block": the current block's KeptKeys
 
     def per_position(self) -> list[Tensor]:
         """The tensors that grow with the capacity (bytes per token = their bytes / C)."""

@@ -63,7 +63,7 @@ def prefill(model, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, s
     cos_B1SF, sin_B1SF = dec.rotary(pos_ids_3BS)
     meta = build_meta(doc_ids_BS, span_ids_BS, cfg.block_size)
     C = round_capacity(max(capacity, tokens_BS.shape[1] + 1), cfg.block_size)  # room for one more
-    cache = _new_cache(model, tokens_BS.shape[0], C, h_BSD.dtype)
+    cache = new_cache(model, tokens_BS.shape[0], C, h_BSD.dtype)
     for layer, lc in zip(dec.layers, cache.layers):
         q_BHSE, k_BKSE, v_BKSE = layer.attn.project(layer.attn_norm(h_BSD), cos_B1SF, sin_B1SF)
         h_BSD = h_BSD + layer.attn.output(attend(q_BHSE, k_BKSE, v_BKSE, meta, cfg, layer.sparse))
@@ -102,7 +102,8 @@ def decode_step(model, cache: KVCache, tokens_B: Tensor) -> Tensor:
     return dec.logits(dec.norm(h_B1D))[:, 0]
 
 
-def _new_cache(model, B: int, C: int, dtype: torch.dtype) -> KVCache:
+def new_cache(model, B: int, C: int, dtype: torch.dtype) -> KVCache:
+    """An empty cache of B rows and C positions (prefill fills it; benchmarks may fill it directly)."""
     dcfg = model.decoder.cfg
     acfg, K, E = dcfg.attention, dcfg.n_kv_heads, dcfg.head_dim
     G = selection_heads(acfg, dcfg.n_heads, K)
@@ -147,4 +148,4 @@ def _fill(lc: LayerCache, cfg: AttentionConfig, meta: AttnMeta, q_BHSE: Tensor, 
     lc.qcur_BGbE.copy_(blocks_BGNbE[b_B, :, nq_B])
     prev_BGE = blocks_BGNbE[b_B, :, (nq_B - 1).clamp_min(0)].sum(-2) / Bs
     lc.qprev_BGE.copy_(torch.where((nq_B > 0).view(B, 1, 1), prev_BGE, 0.0))
-    lc.lists = None
+    lc.kept = None
