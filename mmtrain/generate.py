@@ -1,8 +1,8 @@
 """`mmtrain generate`: text from a trained model, with a KV cache (models/inference).
 
-    mmtrain generate --ckpt RUN_OR_CKPT_OR_EXPORT (--image F | --video F | --shard S --key K | --jsonl F)
-                     [--prompt TEXT] [--max-new-tokens N] [--temperature T --top-p P --seed S]
-                     [--out F.jsonl]
+    mmtrain generate --ckpt RUN_OR_CKPT_OR_EXPORT
+                     (--image F | --video F | --shard S --key K [K ...] | --jsonl F) [--prompt TEXT]
+                     [--max-new-tokens N] [--temperature T --top-p P --seed S] [--out F.jsonl]
 
 Library (notebooks, evals):
 
@@ -32,7 +32,7 @@ import torch
 from data_pipelines.packing import assemble
 from mmtrain.errors import UserError
 from mmtrain.loading import Loaded, load_model
-from mmtrain.prompts import Prompt, jsonl_prompts, medium_file, prompt_document, read_sample, sample_prompt
+from mmtrain.prompts import Prompt, jsonl_prompts, medium_file, prompt_document, read_samples, sample_prompt
 from models.inference import SamplingConfig, generate_tokens
 
 
@@ -101,7 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      "caption dropped and reported as the reference)")
     src.add_argument("--jsonl", help="prompts, one JSON object a line: {\"image\"|\"video\": PATH, "
                                      "\"prompt\": ...}, {\"segments\": [...]} or {\"text\": ...}")
-    parser.add_argument("--key", help="the sample's key in --shard")
+    parser.add_argument("--key", nargs="+", help="the key(s) of --shard's samples (a brace range or glob may "
+                                                 "name several shards)")
     parser.add_argument("--prompt", default="", help="text after the media (default none: a caption)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -120,7 +121,7 @@ def _prompts(args: argparse.Namespace, m: Loaded) -> list[Prompt]:
     if args.shard:
         if not args.key:
             raise UserError("--shard: give the sample with --key")
-        return [sample_prompt(read_sample(args.shard, args.key), media, args.prompt)]
+        return [sample_prompt(raw, media, args.prompt) for raw in read_samples(args.shard, args.key)]
     return jsonl_prompts(args.jsonl, media, args.prompt)
 
 
@@ -137,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     res = generate(m, _prompts(args, m), sampling, args.batch_size)
     for g in res.generations:
         print(f"{g.name}: {g.prompt}{g.text}")
+        if g.reference:
+            print(f"  reference: {g.reference}")
     if args.out:
         try:
             with open(args.out, "w", encoding="utf-8") as f:

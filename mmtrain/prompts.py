@@ -81,11 +81,21 @@ def sample_prompt(raw: RawSample, media: MediaConfig, text: str = "") -> Prompt:
 
 def read_sample(shard: str, key: str) -> RawSample:
     """The sample `key` of a shard (a path, glob or brace range)."""
+    return read_samples(shard, [key])[0]
+
+
+def read_samples(shard: str, keys: list[str]) -> list[RawSample]:
+    """The samples `keys` (in that order) of the shards a spec names, read in one pass."""
+    found: dict[str, RawSample] = {}
     for url in expand_shards([shard], "--shard"):
         for raw in iter_shard(url):
-            if raw.key == key or os.path.basename(raw.key) == key:
-                return raw
-    raise UserError(f"--key {key}: no such sample in {shard}")
+            for k in (raw.key, os.path.basename(raw.key)):
+                if k in keys:
+                    found.setdefault(k, raw)
+            if len(found) == len(set(keys)):
+                return [found[k] for k in keys]
+    missing = next(k for k in keys if k not in found)
+    raise UserError(f"--key {missing}: no such sample in {shard}")
 
 
 def iter_val_samples(cfg: DataConfig) -> Iterator[tuple[str, RawSample]]:

@@ -125,6 +125,12 @@ def test_cli_sample_image_and_jsonl(run, tmp_path, capsys):
     assert rc == 0 and stdout.startswith(f"{key}: ") and "bytes/token" in err
     rec = json.loads(out.read_text())
     assert rec["reference"] and rec["new_tokens"] <= 4 and rec["finish"] in ("eos", "length")
+    _, vid = _val(run["corpus"], "video")
+    both = str(run["corpus"] / "val" / "{image,video}-000000.tar")
+    argv = ["--ckpt", str(run["dir"]), "--shard", both, "--key", vid, key, "--max-new-tokens", "2"]
+    rc, stdout, _ = _cli(argv, capsys)
+    names = [line.split(":")[0] for line in stdout.splitlines() if not line.startswith(" ")]
+    assert rc == 0 and names == [vid, key] and stdout.count("  reference: ") == 2
     _red_png(tmp_path)
     lines = [{"image": "red.png", "prompt": "there is a", "name": "red"}, {"text": "the circle is"}]
     (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
