@@ -69,3 +69,7 @@ def print_summary(summary: dict, seconds: float | None = None) -> None:
     if diag:
         alarms = diag.get("alarms") or []
         console.print(f"diagnostics @ {diag['step']}: " + ("; ".join(alarms) if alarms else "no alarms"))
+        if diag.get("pointing"):
+            parts = [f"{c} {p['accuracy']:.2f} (random token {p['chance_cell']:.2f}, {p['n']} words)"
+                     for c, p in diag["pointing"].items()]
+            console.print("pointing game of caption words: " + ", ".join(parts))

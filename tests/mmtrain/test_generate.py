@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from rich.console import Console
 
 from data_pipelines.packing import assemble
 from mmtrain import cli
@@ -28,7 +27,7 @@ from mmtrain.export import export
 from mmtrain.generate import generate, load
 from mmtrain.pointing import grounding_docs, pointing_scores
 from mmtrain.prompts import iter_val_samples, medium_file, prompt_document, read_sample, sample_prompt
-from mmtrain.report import caption_table
+from mmtrain.report import print_summary
 from mmtrain.run_config import RunConfig
 from mmtrain.trainer import Trainer
 from models.inference import SamplingConfig, prefill
@@ -60,16 +59,15 @@ def _red_png(where: Path) -> Path:
     return image
 
 
-def test_run_reports_captions_and_pointing(run):
+def test_run_reports_captions_and_pointing(run, capsys):
     end = run["summary"]["end"]["captions"]
     assert end["prompts"] == 3 and {"colour", "shape", "size", "motion"} <= set(end["accuracy"])
     assert all(0 <= v <= 1 for v in end["accuracy"].values()) and end["examples"]
     lines = [json.loads(x) for x in (run["dir"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if r.get("eval") == "captions"] == [0, 2]
-    console = Console(record=True, width=80)
-    console.print(caption_table(run["summary"]))
-    table = console.export_text()
-    assert "colour" in table and "blank end" in table
+    print_summary(run["summary"])
+    table = capsys.readouterr().out
+    assert "captions of 3 val images" in table and "blank end" in table and "pointing game" in table
     diag = [json.loads(x) for x in (run["dir"] / "diagnostics.jsonl").read_text().splitlines()]
     assert set(diag[-1]["pointing"]) == {"colour", "shape", "size"}
 
