@@ -19,10 +19,12 @@ class AttentionConfig:
     sink: bool = True  # keep the document's first block
     visual_always: bool = True  # keep every earlier visual block of the same document
     select_per: Literal["head", "kv_group"] = "kv_group"
-    # Who scores the top-k candidates (both causal, see select.py): "token" = each query token
-    # with its own q (MoBA's rule, the reference); "block" = one choice per query block, scored
-    # with the mean query of the previous block of the document (fewer distinct blocks to gather).
-    select: Literal["token", "block"] = "token"
+    # Who scores the top-k candidates (both causal, see select.py): "block" = one choice per
+    # document block, scored with the mean query of the previous block (the default: as good on
+    # make train's losses and gaps and far cheaper, docs/EXPERIMENTS.md); "token" = each query
+    # token with its own q (MoBA's rule, the reference; its tiles visit the union of their
+    # tokens' picks, which grows with block size x top_k).
+    select: Literal["token", "block"] = "block"
     # Extensions (all defaulted): implementation knobs that never change the function computed.
     dense_impl: Literal["sdpa", "eager"] = "sdpa"  # eager = the fp32 reference
     gather_chunk: int = 32  # query blocks per gather chunk (bounds the transient memory)
