@@ -28,12 +28,11 @@ from models.testing import IMAGE, VIDEO, pack, random_doc
 from models.vision import VisionConfig
 
 V = 64
-MEDIA = ((IMAGE, (1, 4, 4)), (VIDEO, (2, 4, 4)), (IMAGE, (1, 4, 6)))
 
 
 def make_model(layout: str, moe: bool, select: str) -> MultimodalModel:
     Bs = random.choice([2, 3, 4])
-    attn = AttentionConfig(block_size=Bs, window=random.choice([0, Bs, 2 * Bs]), top_k=random.randint(1, 2),
+    attn = AttentionConfig(block_size=Bs, window=random.choice([0, Bs]), top_k=random.randint(1, 2),
                            sink=random.random() < 0.5, visual_always=random.random() < 0.5, select=select,
                            select_per=random.choice(["kv_group", "head"]))
     moe_cfg = MoEConfig(n_routed=4, top_k=2, n_shared=1, expert_dim=16, first_dense_layers=1) if moe else None
@@ -44,8 +43,10 @@ def make_model(layout: str, moe: bool, select: str) -> MultimodalModel:
 
 
 def prompt_doc(P: int) -> list:
-    media = tuple(random.sample(MEDIA, random.randint(1, 3)))
-    return random_doc(V, P, random.randint(4, 20), media)
+    """Text, an image and a video in random order (sometimes a second image), text after each."""
+    media = random.sample([(IMAGE, (1, 4, 4)), (VIDEO, (2, 4, 4))], 2)
+    media += [(IMAGE, (1, 4, 6))] * random.randint(0, 1)
+    return random_doc(V, P, random.randint(4, 20), tuple(media))
 
 
 def doc_len(doc: list) -> int:
@@ -53,10 +54,16 @@ def doc_len(doc: list) -> int:
                s.grid_thw[0] * (s.grid_thw[1] // 2) * (s.grid_thw[2] // 2) for s in doc)
 
 
-def full_logits(model, doc: list) -> torch.Tensor:
+def full_logits(model, doc: list, sparse_check: bool = False) -> torch.Tensor:
+    """The full forward's logits (S, V); sparse_check: every sparse layer dropped blocks (kept <
+    reachable), so that decoding had a selection to reproduce."""
     P = model.cfg.vision.patch_dim
     with torch.no_grad():
-        return model(**pack([[doc]], doc_len(doc), P)).logits_BSV[0]
+        out = model(**pack([[doc]], doc_len(doc), P), attn_stats=sparse_check)
+    for layer, st in out.attn_stats.items():
+        if model.cfg.decoder.is_sparse(layer):
+            assert float(st["kept"]) < float(st["reachable"]), f"layer {layer} kept every block"
+    return out.logits_BSV[0]
 
 
 def decode_logits(model, prompts: list[list], conts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -85,8 +92,8 @@ CASES = [(layout, moe, select) for layout in ("F", "S", "FS") for moe in (False,
 def test_prefill_then_decode_equals_full_forward(seed, layout, moe, select):
     model = make_model(layout, moe, select)
     P = model.cfg.vision.patch_dim
-    prompt, cont = prompt_doc(P), torch.randint(3, V, (random.randint(12, 30),))
-    ref_SV = full_logits(model, [*prompt, cont])
+    prompt, cont = prompt_doc(P), torch.randint(3, V, (random.randint(20, 40),))
+    ref_SV = full_logits(model, [*prompt, cont], sparse_check=True)
     (got_SV,) = decode_logits(model, [prompt], [cont])
     err = (got_SV - ref_SV).abs().max().item()
     assert err < 1e-4, f"seed={seed}: decode differs from the full forward by {err:.2e} ({model.cfg.decoder})"
@@ -129,9 +136,11 @@ def test_sampling_is_seeded_and_stops_at_eos(seed):
     a, b = (generate_tokens(model, inputs, cfg, eos_id=None).tokens for _ in range(2))
     assert a == b
     eos = a[0][3]
-    out = generate_tokens(model, inputs, cfg, eos_id=eos, banned=[1, 2])
+    out = generate_tokens(model, inputs, cfg, eos_id=eos)
     assert out.tokens[0] == a[0][:a[0].index(eos) + 1] and out.finish[0] == "eos"
-    assert not {1, 2} & {t for row in out.tokens for t in row}
+    banned = list(range(3, V, 2))  # banning changes the distribution: only check they never come
+    out = generate_tokens(model, inputs, cfg, eos_id=None, banned=banned)
+    assert not set(banned) & {t for row in out.tokens for t in row}
 
 
 def test_top_p_keeps_the_nucleus():
