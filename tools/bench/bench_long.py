@@ -32,6 +32,9 @@ def parse_args(argv=None):
     p.add_argument("--image-every", type=int, default=0, help="a 16-token visual span every N tokens")
     p.add_argument("--layout", default=None, help="override model.decoder.layer_layout (e.g. S)")
     p.add_argument("--select", default=None, choices=["token", "block"], help="override attention.select")
+    p.add_argument("--block", type=int, default=None, help="override attention.block_size (window: 4 blocks)")
+    p.add_argument("--ac", default="layer", choices=["layer", "sublayer"],
+                   help="checkpoint each decoder layer, or its attention and FFN halves separately")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--ce-chunk", type=int, default=65536)
     p.add_argument("--threads", type=int, default=2)
@@ -73,12 +76,16 @@ def child(args) -> dict:
     overrides = [f"model.decoder.vocab_size={args.vocab}"]
     overrides += [f"model.decoder.layer_layout={args.layout}"] if args.layout else []
     overrides += [f"model.decoder.attention.select={args.select}"] if args.select else []
+    if args.block:
+        overrides += [f"model.decoder.attention.block_size={args.block}",
+                      f"model.decoder.attention.window={4 * args.block}"]
     cfg = load_config(RunConfig, args.config, overrides).model.decoder
     torch.manual_seed(0)
     dec = Decoder(cfg).train()
     prime_probes(torch.device("cpu"))
-    for layer in dec.layers:  # activation checkpointing, as the trainer applies it
-        checkpoint_forward(layer)
+    for layer in dec.layers:  # activation checkpointing, as the trainer applies it (or finer)
+        for part in ((layer,) if args.ac == "layer" else (layer.attn, layer.ffn)):
+            checkpoint_forward(part)
     x = row_inputs(S, args.doc_len, args.image_every, args.vocab)
     labels_S = x["tokens_BS"][0].roll(-1)
 
@@ -94,16 +101,18 @@ def child(args) -> dict:
     h_SD = dec(**x).hidden_BSD[0]
     loss = sum(checkpoint(ce, h_SD[c:c + args.ce_chunk], labels_S[c:c + args.ce_chunk], use_reentrant=False)
                for c in range(0, S, args.ce_chunk)) / S
-    t_fwd = time.perf_counter() - t0
+    t_fwd, fwd_peak = time.perf_counter() - t0, peak_since(base)
     loss.backward()
     return {"ok": True, "S": S, "fwd_s": t_fwd, "step_s": time.perf_counter() - t0,
-            "peak_gib": peak_since(base), "meta_gib": meta_b / GiB, "loss": float(loss)}
+            "peak_gib": peak_since(base), "fwd_peak_gib": fwd_peak, "meta_gib": meta_b / GiB,
+            "loss": float(loss)}
 
 
 def run_s(args, S: int) -> dict:
     argv = [a for a in sys.argv[1:] if a != "--max-seq"] + ["--_child", str(S)]
     r = run_child("tools.bench.bench_long", argv, args.timeout)
-    state = (f"fwd {r['fwd_s']:.1f} s, fwd+bwd {r['step_s']:.1f} s, peak {r['peak_gib']:.2f} GiB, "
+    state = (f"fwd {r['fwd_s']:.1f} s (peak {r['fwd_peak_gib']:.2f} GiB), fwd+bwd {r['step_s']:.1f} s, "
+             f"peak {r['peak_gib']:.2f} GiB, "
              f"metadata {r['meta_gib'] * 1024:.1f} MiB" if r["ok"] else r["why"])
     print(f"| {S:,} | {state} |", flush=True)
     return r
