@@ -6,16 +6,16 @@ import argparse
 import importlib
 
 VERBS = {
-    "synth": ("data_pipelines.synth.cli", "write the built-in 'shapes world' corpus and its tokenizer"),
-    "write": ("data_pipelines.write", "write shards from a folder of media or a JSONL file"),
-    "inspect": ("data_pipelines.inspect", "count samples, bad samples, tokens and packing efficiency"),
+    "synth": (".synth.cli", "write the built-in 'shapes world' corpus and its tokenizer"),
+    "write": (".write", "write shards from a folder of media or a JSONL file"),
+    "inspect": (".inspect", "count samples, bad samples, tokens and packing efficiency"),
 }
 
 
 def add_commands(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="data_command", required=True)
     for verb, (module_name, help_text) in VERBS.items():
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(module_name, __package__)
         p = sub.add_parser(verb, help=help_text, description=help_text)
         module.add_arguments(p)
         p.set_defaults(func=module.run)

@@ -13,12 +13,11 @@ import warnings
 from typing import NamedTuple
 
 import numpy as np
+from mmtrain.data_pipelines import ledger as L
+from mmtrain.data_pipelines.config import MediaConfig
+from mmtrain.data_pipelines.ledger import SkipSample
+from mmtrain.data_pipelines.preprocess import plan_size
 from PIL import Image, ImageOps
-
-from data_pipelines import ledger as L
-from data_pipelines.config import MediaConfig
-from data_pipelines.ledger import SkipSample
-from data_pipelines.preprocess import plan_size
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 VIDEO_EXTS = ("mp4", "webm", "mkv")

@@ -21,15 +21,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from data_pipelines import ledger as L
-from data_pipelines.batch import IGNORE_INDEX, IMAGE, TASK_IMAGE_TEXT, TASK_TEXT, TASK_VIDEO_TEXT, TEXT, VIDEO
-from data_pipelines.config import DataConfig, MediaConfig
-from data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS, decode_image, decode_json, decode_text, decode_video
-from data_pipelines.ledger import SkipSample
-from data_pipelines.preprocess import Decoded, Medium, grid_for, to_medium
-from data_pipelines.shards import RawSample
-from data_pipelines.tokenizer import Tokenizer
+from mmtrain.data_pipelines import ledger as L
+from mmtrain.data_pipelines.batch import (
+    IGNORE_INDEX,
+    IMAGE,
+    TASK_IMAGE_TEXT,
+    TASK_TEXT,
+    TASK_VIDEO_TEXT,
+    TEXT,
+    VIDEO,
+)
+from mmtrain.data_pipelines.config import DataConfig, MediaConfig
+from mmtrain.data_pipelines.decode import (
+    IMAGE_EXTS,
+    VIDEO_EXTS,
+    decode_image,
+    decode_json,
+    decode_text,
+    decode_video,
+)
+from mmtrain.data_pipelines.ledger import SkipSample
+from mmtrain.data_pipelines.preprocess import Decoded, Medium, grid_for, to_medium
+from mmtrain.data_pipelines.shards import RawSample
+from mmtrain.data_pipelines.tokenizer import Tokenizer
 
 KINDS = ("text", "image", "video", "interleaved")
 

@@ -11,12 +11,11 @@ import argparse
 import json
 
 import yaml
-
-from data_pipelines.config import DataConfig, MediaConfig, SourceConfig
-from data_pipelines.documents import KINDS
-from data_pipelines.errors import DataError
-from data_pipelines.loader import build_loader
-from data_pipelines.tokenizer import load_tokenizer
+from mmtrain.data_pipelines.config import DataConfig, MediaConfig, SourceConfig
+from mmtrain.data_pipelines.documents import KINDS
+from mmtrain.data_pipelines.errors import DataError
+from mmtrain.data_pipelines.loader import build_loader
+from mmtrain.data_pipelines.tokenizer import load_tokenizer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,19 +18,18 @@ from typing import Literal
 
 import numpy as np
 import torch
+from mmtrain.data_pipelines.agree import rank_sync
+from mmtrain.data_pipelines.batch import TEXT, PackedBatch
+from mmtrain.data_pipelines.config import DataConfig
+from mmtrain.data_pipelines.errors import DataError
+from mmtrain.data_pipelines.ledger import Ledger
+from mmtrain.data_pipelines.mixing import Mixer
+from mmtrain.data_pipelines.packing import Packer, assemble
+from mmtrain.data_pipelines.rng import CounterRng, hash64
+from mmtrain.data_pipelines.shards import ReadOptions, ShardPlan, expand_shards
+from mmtrain.data_pipelines.stream import SourceStream, fetch
+from mmtrain.data_pipelines.tokenizer import Tokenizer
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-
-from data_pipelines.agree import rank_sync
-from data_pipelines.batch import TEXT, PackedBatch
-from data_pipelines.config import DataConfig
-from data_pipelines.errors import DataError
-from data_pipelines.ledger import Ledger
-from data_pipelines.mixing import Mixer
-from data_pipelines.packing import Packer, assemble
-from data_pipelines.rng import CounterRng, hash64
-from data_pipelines.shards import ReadOptions, ShardPlan, expand_shards
-from data_pipelines.stream import SourceStream, fetch
-from data_pipelines.tokenizer import Tokenizer
 
 STATE_VERSION = 1
 

@@ -7,7 +7,7 @@ An exhausted source (finite splits) leaves the mixture; the others keep their re
 
 from __future__ import annotations
 
-from data_pipelines.rng import CounterRng
+from mmtrain.data_pipelines.rng import CounterRng
 
 
 class Mixer:

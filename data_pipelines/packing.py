@@ -14,9 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-
-from data_pipelines.batch import IGNORE_INDEX, TASK_PAD, TEXT, PackedBatch
-from data_pipelines.documents import Document
+from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_PAD, TEXT, PackedBatch
+from mmtrain.data_pipelines.documents import Document
 
 
 class Packer:

@@ -10,10 +10,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from mmtrain.data_pipelines.batch import IMAGE, VIDEO
+from mmtrain.data_pipelines.config import MediaConfig
 from PIL import Image
-
-from data_pipelines.batch import IMAGE, VIDEO
-from data_pipelines.config import MediaConfig
 
 
 def plan_size(h: int, w: int, media: MediaConfig, max_pixels: int | None = None) -> tuple[int, int]:

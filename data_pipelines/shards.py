@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from data_pipelines import ledger as L
-from data_pipelines.errors import DataError
-from data_pipelines.remote import PipeStream, is_remote, open_url
-from data_pipelines.rng import CounterRng
+from mmtrain.data_pipelines import ledger as L
+from mmtrain.data_pipelines.errors import DataError
+from mmtrain.data_pipelines.remote import PipeStream, is_remote, open_url
+from mmtrain.data_pipelines.rng import CounterRng
 
 try:
     from braceexpand import braceexpand

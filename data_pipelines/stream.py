@@ -12,13 +12,13 @@ import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 
-from data_pipelines import ledger as L
-from data_pipelines.config import DataConfig
-from data_pipelines.documents import Document, make_documents
-from data_pipelines.errors import DataError
-from data_pipelines.ledger import SkipSample
-from data_pipelines.rng import CounterRng
-from data_pipelines.shards import RawSample, ShardPlan, iter_shard
+from mmtrain.data_pipelines import ledger as L
+from mmtrain.data_pipelines.config import DataConfig
+from mmtrain.data_pipelines.documents import Document, make_documents
+from mmtrain.data_pipelines.errors import DataError
+from mmtrain.data_pipelines.ledger import SkipSample
+from mmtrain.data_pipelines.rng import CounterRng
+from mmtrain.data_pipelines.shards import RawSample, ShardPlan, iter_shard
 
 Pos = tuple[int, int, int]  # (epoch, shard_ord, index)
 Item = tuple[Pos, str, RawSample]  # position, shard url, sample

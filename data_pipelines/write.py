@@ -23,10 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import webdataset as wds
+from mmtrain.data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS
+from mmtrain.data_pipelines.errors import DataError
 from PIL import Image
-
-from data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS
-from data_pipelines.errors import DataError
 
 CONVERTIBLE = ("gif", "bmp", "tif", "tiff", "ppm", "pgm", "tga")
 

@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from data_pipelines.batch import TASK_NAMES
+from mmtrain.data_pipelines.batch import TASK_NAMES
 
 KINDS = ("static", "dwa", "uncertainty", "gradnorm", "reliance_guard")
 MEDIA_TASKS = ("image_text", "video_text")  # tasks with a visual reliance gap

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from data_pipelines.config import DataConfig
-from data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS, decode_json
-from data_pipelines.ledger import SkipSample
+from mmtrain.data_pipelines.config import DataConfig
+from mmtrain.data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS, decode_json
+from mmtrain.data_pipelines.ledger import SkipSample
+from mmtrain.models.inference import SamplingConfig
 from mmtrain.prompts import Prompt, iter_val_samples, sample_prompt
-from models.inference import SamplingConfig
 
 if TYPE_CHECKING:
     from mmtrain.distributed import DistEnv

@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from data_pipelines.errors import DataError
+from mmtrain.data_pipelines.errors import DataError
 from mmtrain.errors import UserError
 
 
@@ -27,8 +27,8 @@ def run_guarded(fn: Callable[[], int]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from data_pipelines import cli as data_cli
     from mmtrain import export, generate, train
+    from mmtrain.data_pipelines import cli as data_cli
 
     parser = argparse.ArgumentParser(prog="mmtrain", description="joint text + image + video pretraining")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen.set_defaults(func=generate.run)
     p_data = sub.add_parser("data", help="write, synthesise and inspect webdataset shards")
     data_cli.add_commands(p_data)
-    from tools.attention_maps import cli as attn_cli  # tools -> mmtrain: imported only here, argparse only
+    from mmtrain.attention_maps import cli as attn_cli  # tools -> mmtrain: imported only here, argparse only
 
     p_attn = sub.add_parser("attn", help="attention maps: where text tokens look in images and video")
     attn_cli.add_arguments(p_attn)

@@ -44,11 +44,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from data_pipelines.batch import IMAGE, MODALITY_NAMES, TASK_NAMES, TEXT, VIDEO, PackedBatch
+from mmtrain.data_pipelines.batch import IMAGE, MODALITY_NAMES, TASK_NAMES, TEXT, VIDEO, PackedBatch
 from mmtrain.evaluate import MEDIA_TASKS, blank_media
+from mmtrain.models.attention import AttentionConfig, build_meta, even_subset, row_stats, text_rows
 from mmtrain.objectives import task_losses
 from mmtrain.pointing import GroundingDoc, pointing_scores
-from models.attention import AttentionConfig, build_meta, even_subset, row_stats, text_rows
 
 Tensor = torch.Tensor
 MEDIA_KINDS = {IMAGE: "image", VIDEO: "video"}

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TASK_PAD, PackedBatch
+from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TASK_PAD, PackedBatch
 from mmtrain.distributed import DistEnv, all_reduce
 from mmtrain.evaluate import MEDIA_TASKS, EvalResult, evaluate
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from data_pipelines.batch import TASK_NAMES, PackedBatch
+from mmtrain.data_pipelines.batch import TASK_NAMES, PackedBatch
 from mmtrain.objectives import task_losses
 
 MEDIA_TASKS = ("image_text", "video_text")

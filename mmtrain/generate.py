@@ -29,11 +29,11 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from data_pipelines.packing import assemble
+from mmtrain.data_pipelines.packing import assemble
 from mmtrain.errors import UserError
 from mmtrain.loading import Loaded, load_model
+from mmtrain.models.inference import SamplingConfig, generate_tokens
 from mmtrain.prompts import Prompt, jsonl_prompts, medium_file, prompt_document, read_samples, sample_prompt
-from models.inference import SamplingConfig, generate_tokens
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from data_pipelines.batch import IGNORE_INDEX, TASK_NAMES
+from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES
 
 
 @dataclass

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from mmtrain.distributed import DistEnv
+from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.run_config import RunConfig
-from models.multimodal import MultimodalModel
 
 
 def block_lists(model: MultimodalModel) -> list[nn.ModuleList]:
@@ -74,7 +74,7 @@ def prime_probes(device: torch.device) -> None:
     """models/moe_dispatch probes `torch._grouped_mm` (forward + backward, cached) on first use.
     Inside a checkpointed block that first use saves tensors its recomputation does not, and
     torch.utils.checkpoint rejects the step; so run the probe up front (RNG left untouched)."""
-    from models.moe_dispatch import grouped_mm_supported
+    from mmtrain.models.moe_dispatch import grouped_mm_supported
 
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
         for dtype in (torch.float32, torch.bfloat16):

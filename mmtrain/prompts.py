@@ -24,13 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipelines.config import DataConfig, MediaConfig
-from data_pipelines.decode import decode_image, decode_json, decode_video
-from data_pipelines.documents import Document, build_documents, encode, parse_sample
-from data_pipelines.ledger import SkipSample
-from data_pipelines.preprocess import Decoded
-from data_pipelines.shards import RawSample, expand_shards, iter_shard
-from data_pipelines.tokenizer import Tokenizer
+from mmtrain.data_pipelines.config import DataConfig, MediaConfig
+from mmtrain.data_pipelines.decode import decode_image, decode_json, decode_video
+from mmtrain.data_pipelines.documents import Document, build_documents, encode, parse_sample
+from mmtrain.data_pipelines.ledger import SkipSample
+from mmtrain.data_pipelines.preprocess import Decoded
+from mmtrain.data_pipelines.shards import RawSample, expand_shards, iter_shard
+from mmtrain.data_pipelines.tokenizer import Tokenizer
 from mmtrain.errors import UserError
 
 IMAGE_KIND, VIDEO_KIND = 1, 2  # data_pipelines.batch IMAGE / VIDEO

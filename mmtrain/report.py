@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from data_pipelines.batch import TASK_NAMES
+from mmtrain.data_pipelines.batch import TASK_NAMES
 
 
 def summary_table(summary: dict) -> Table:

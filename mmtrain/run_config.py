@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from data_pipelines.config import DataConfig
 from mmtrain.balance import BalanceConfig
 from mmtrain.captioning import CaptionEvalConfig
+from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.diagnostics import DiagConfig
-from models.multimodal import ModelConfig
+from mmtrain.models.multimodal import ModelConfig
 
 
 @dataclass

@@ -25,21 +25,23 @@ from pathlib import Path
 import torch
 import yaml
 
-from data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TEXT, PackedBatch
-from data_pipelines.config import DataConfig
-from data_pipelines.loader import build_loader
-from data_pipelines.tokenizer import load_tokenizer
 from mmtrain import train_state
 from mmtrain.balance import build_balancer
 from mmtrain.captioning import CaptionEval
 from mmtrain.checkpoint import TOKENIZER_FILE, Checkpointer, tokenizer_file
 from mmtrain.config import to_dict
+from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TEXT, PackedBatch
+from mmtrain.data_pipelines.config import DataConfig
+from mmtrain.data_pipelines.loader import build_loader
+from mmtrain.data_pipelines.tokenizer import load_tokenizer
 from mmtrain.diagnostics import run_diagnostics
 from mmtrain.dist_eval import dummy_batch, evaluate_ranks, pad_to_most
 from mmtrain.distributed import DistEnv, all_reduce, current_env, pick_device, restart_count
 from mmtrain.errors import UserError
 from mmtrain.evaluate import EvalResult
 from mmtrain.logger import RunLogger
+from mmtrain.models.attention.counts import ATTN_COUNTS
+from mmtrain.models.vision import make_ssl_mask
 from mmtrain.objectives import head_grads, task_losses, weighted_total, z_loss
 from mmtrain.optim import build_optimizer, build_scheduler
 from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync
@@ -47,8 +49,6 @@ from mmtrain.perf import Window, peak_memory_gib, peak_tflops
 from mmtrain.pointing import grounding_docs
 from mmtrain.run_config import RunConfig
 from mmtrain.run_dir import RESOLVED_CONFIG, prepare_run_dir
-from models.attention.counts import ATTN_COUNTS
-from models.vision import make_ssl_mask
 
 PERF_WARMUP_STEPS = 3  # steps of each launch left out of the run's throughput (allocation, compile)
 _STATS = ("loss", *(f"sum_{t}" for t in TASK_NAMES), *(f"n_{t}" for t in TASK_NAMES),

@@ -14,16 +14,16 @@ import json
 from collections import defaultdict
 
 import torch
+from mmtrain.data_pipelines.batch import TASK_NAMES
+from mmtrain.data_pipelines.loader import build_loader
+from mmtrain.data_pipelines.synth.world import COLOR_NAMES, MOTIONS, POSITIONS, SHAPES, SIZES
+from mmtrain.data_pipelines.tokenizer import load_tokenizer
+from mmtrain.models.multimodal import MultimodalModel
 
-from data_pipelines.batch import TASK_NAMES
-from data_pipelines.loader import build_loader
-from data_pipelines.synth.world import COLOR_NAMES, MOTIONS, POSITIONS, SHAPES, SIZES
-from data_pipelines.tokenizer import load_tokenizer
 from mmtrain.checkpoint import load_for_inference
 from mmtrain.config import from_dict
 from mmtrain.evaluate import blank_media
 from mmtrain.run_config import RunConfig
-from models.multimodal import MultimodalModel
 
 WORD_CLASSES = {
     "colour": COLOR_NAMES,

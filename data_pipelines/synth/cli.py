@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields, replace
 
-from data_pipelines.errors import DataError
-from data_pipelines.synth.config import SynthConfig
-from data_pipelines.synth.writer import write_corpus
+from mmtrain.data_pipelines.errors import DataError
+from mmtrain.data_pipelines.synth.config import SynthConfig
+from mmtrain.data_pipelines.synth.writer import write_corpus
 
 # (flag, config field, help); every flag defaults to None = "keep the preset's value".
 _FLAGS = (

@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
-
-from data_pipelines.synth import render, world
-from data_pipelines.synth.config import KINDS, SPLITS, SynthConfig
+from mmtrain.data_pipelines.synth import render, world
+from mmtrain.data_pipelines.synth.config import KINDS, SPLITS, SynthConfig
 
 KEY_PREFIX = (("image", "img"), ("video", "vid"), ("interleaved", "doc"), ("text", "txt"))
 

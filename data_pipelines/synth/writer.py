@@ -24,12 +24,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import webdataset as wds
-
-from data_pipelines.errors import DataError
-from data_pipelines.synth.config import KINDS, SPLITS, SynthConfig
-from data_pipelines.synth.render import decord_reads, video_codec
-from data_pipelines.synth.samples import Sample, make_samples
-from data_pipelines.tokenizer import train_bpe
+from mmtrain.data_pipelines.errors import DataError
+from mmtrain.data_pipelines.synth.config import KINDS, SPLITS, SynthConfig
+from mmtrain.data_pipelines.synth.render import decord_reads, video_codec
+from mmtrain.data_pipelines.synth.samples import Sample, make_samples
+from mmtrain.data_pipelines.tokenizer import train_bpe
 
 FORMAT = "mmtrain-synth/1"
 _SHARD_RE = re.compile(r"^(image|video|interleaved|text)-\d{6}\.tar(\.tmp)?$")

@@ -1,6 +1,6 @@
 """Attention for mmtrain: one definition, several backends.
 
-    from models.attention import AttentionConfig, AttnMeta, build_meta, attend, recompute_probs
+    from mmtrain.models.attention import AttentionConfig, AttnMeta, build_meta, attend, recompute_probs
     meta = build_meta(doc_ids_BS, span_ids_BS, cfg.block_size)   # once per forward, all layers
     out_BHSD = attend(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sparse, capture=None, stats=None)
 

@@ -1,6 +1,6 @@
 """Inference for `MultimodalModel`: prefill, a KV cache for every layer kind, one-token decode steps.
 
-    from models.inference import SamplingConfig, generate_tokens, prefill, decode_step
+    from mmtrain.models.inference import SamplingConfig, generate_tokens, prefill, decode_step
     hidden_BSD, cache = prefill(model, **inputs, capacity=S + 64)   # prompts: one document per row
     logits_BV = decode_step(model, cache, tokens_B)                  # append one text token per row
     out = generate_tokens(model, inputs, SamplingConfig(temperature=0.8, top_p=0.9), eos_id)

@@ -23,10 +23,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-
-from models.attention.blocks import kept
-from models.attention.config import AttentionConfig
-from models.attention.meta import NO_SPAN
+from mmtrain.models.attention.blocks import kept
+from mmtrain.models.attention.config import AttentionConfig
+from mmtrain.models.attention.meta import NO_SPAN
 
 from .cache import LayerCache
 

@@ -18,10 +18,9 @@ heads, E head dim, C cache capacity, N = C / Bs blocks, Q visual tokens.
 from __future__ import annotations
 
 import torch
-
-from models.attention import AttnMeta, attend, build_meta
-from models.attention.config import AttentionConfig
-from models.decoder import scatter_visual
+from mmtrain.models.attention import AttnMeta, attend, build_meta
+from mmtrain.models.attention.config import AttentionConfig
+from mmtrain.models.decoder import scatter_visual
 
 from .attend import full_decode, selection_heads, sparse_decode
 from .cache import KVCache, LayerCache, new_layer, refresh_kmean, round_capacity

@@ -1,6 +1,5 @@
 import pytest
-
-from data_pipelines.config import DataConfig, MediaConfig, SourceConfig
+from mmtrain.data_pipelines.config import DataConfig, MediaConfig, SourceConfig
 
 
 def test_defaults_construct():

@@ -3,10 +3,9 @@ import io
 import numpy as np
 import pytest
 from dp_shards import image_bytes, small_media, video_bytes
+from mmtrain.data_pipelines.decode import decode_image, decode_text, decode_video, sample_frame_indices
+from mmtrain.data_pipelines.ledger import SkipSample
 from PIL import Image
-
-from data_pipelines.decode import decode_image, decode_text, decode_video, sample_frame_indices
-from data_pipelines.ledger import SkipSample
 
 
 def _png(im: Image.Image, **save) -> bytes:
@@ -120,7 +119,7 @@ def test_bad_videos_are_skipped():
 def test_pyav_fallback_holds_only_the_sampled_frames(monkeypatch):
     import tracemalloc
 
-    import data_pipelines.decode as decode
+    import mmtrain.data_pipelines.decode as decode
 
     def broken(*a):
         raise RuntimeError("decord cannot read this")
@@ -137,7 +136,7 @@ def test_pyav_fallback_holds_only_the_sampled_frames(monkeypatch):
 
 
 def test_video_caps_come_from_the_headers_before_decoding(monkeypatch):
-    import data_pipelines.decode as decode
+    import mmtrain.data_pipelines.decode as decode
 
     def never(*a):
         raise AssertionError("decoded")

@@ -3,12 +3,19 @@ import json
 import numpy as np
 import pytest
 from dp_shards import data_cfg, image_bytes, small_media, video_bytes
-
-from data_pipelines.batch import IGNORE_INDEX, IMAGE, TASK_IMAGE_TEXT, TASK_TEXT, TASK_VIDEO_TEXT, TEXT, VIDEO
-from data_pipelines.documents import make_documents
-from data_pipelines.ledger import SkipSample
-from data_pipelines.shards import RawSample
-from data_pipelines.tokenizer import ByteTokenizer
+from mmtrain.data_pipelines.batch import (
+    IGNORE_INDEX,
+    IMAGE,
+    TASK_IMAGE_TEXT,
+    TASK_TEXT,
+    TASK_VIDEO_TEXT,
+    TEXT,
+    VIDEO,
+)
+from mmtrain.data_pipelines.documents import make_documents
+from mmtrain.data_pipelines.ledger import SkipSample
+from mmtrain.data_pipelines.shards import RawSample
+from mmtrain.data_pipelines.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 S = TOK.special

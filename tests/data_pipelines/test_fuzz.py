@@ -23,10 +23,9 @@ import pytest
 import yaml
 from dp_shards import data_cfg
 from fuzz_corpus import LIMITS, build
-
-from data_pipelines.config import MediaConfig
-from data_pipelines.loader import build_loader
-from data_pipelines.tokenizer import ByteTokenizer
+from mmtrain.data_pipelines.config import MediaConfig
+from mmtrain.data_pipelines.loader import build_loader
+from mmtrain.data_pipelines.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 LABEL = re.compile(r"good\d{4}")

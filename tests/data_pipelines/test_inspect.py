@@ -2,8 +2,7 @@ import argparse
 import json
 
 from dp_shards import bad_shards, make_folder, make_jsonl
-
-from data_pipelines import inspect, write
+from mmtrain.data_pipelines import inspect, write
 
 
 def _parse(module, *argv):

@@ -6,11 +6,10 @@ import pytest
 import torch
 from dp_shards import bad_shards as make_bad_shards
 from dp_shards import data_cfg, mixed_samples, text_shards, write_tar
-
-from data_pipelines.config import SourceConfig
-from data_pipelines.errors import DataError
-from data_pipelines.loader import WorkerPipeline, _Source, build_loader
-from data_pipelines.tokenizer import ByteTokenizer
+from mmtrain.data_pipelines.config import SourceConfig
+from mmtrain.data_pipelines.errors import DataError
+from mmtrain.data_pipelines.loader import WorkerPipeline, _Source, build_loader
+from mmtrain.data_pipelines.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 
@@ -144,7 +143,7 @@ def test_missing_spec_and_empty_split_are_data_errors(tmp_path):
 
 
 def test_an_unexpected_exception_skips_the_sample_and_warns(tmp_path, monkeypatch):
-    import data_pipelines.stream as stream
+    import mmtrain.data_pipelines.stream as stream
 
     urls = text_shards(tmp_path, 1, 5)
     real = stream.make_documents

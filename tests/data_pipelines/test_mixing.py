@@ -2,12 +2,11 @@ import itertools
 import random
 
 from dp_shards import data_cfg, text_shards
-
-from data_pipelines.config import SourceConfig
-from data_pipelines.loader import build_loader
-from data_pipelines.mixing import Mixer
-from data_pipelines.rng import CounterRng
-from data_pipelines.tokenizer import ByteTokenizer
+from mmtrain.data_pipelines.config import SourceConfig
+from mmtrain.data_pipelines.loader import build_loader
+from mmtrain.data_pipelines.mixing import Mixer
+from mmtrain.data_pipelines.rng import CounterRng
+from mmtrain.data_pipelines.tokenizer import ByteTokenizer
 
 
 def _draws(mixer: Mixer, n: int) -> list[int]:

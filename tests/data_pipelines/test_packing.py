@@ -1,11 +1,10 @@
 import random
 
 import numpy as np
-
-from data_pipelines.batch import IGNORE_INDEX, IMAGE, TASK_PAD, TEXT, VIDEO
-from data_pipelines.documents import Document
-from data_pipelines.packing import Packer, assemble
-from data_pipelines.preprocess import Medium
+from mmtrain.data_pipelines.batch import IGNORE_INDEX, IMAGE, TASK_PAD, TEXT, VIDEO
+from mmtrain.data_pipelines.documents import Document
+from mmtrain.data_pipelines.packing import Packer, assemble
+from mmtrain.data_pipelines.preprocess import Medium
 
 PAD, PAD_ID, P = 999, 998, 4  # pad token, media placeholder, patch dim
 

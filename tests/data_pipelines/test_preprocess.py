@@ -1,8 +1,7 @@
 import numpy as np
 from dp_shards import small_media
-
-from data_pipelines.batch import IMAGE, VIDEO
-from data_pipelines.preprocess import Decoded, patchify, plan_size, to_medium
+from mmtrain.data_pipelines.batch import IMAGE, VIDEO
+from mmtrain.data_pipelines.preprocess import Decoded, patchify, plan_size, to_medium
 
 
 def test_plan_size_is_a_patch_grid_within_the_pixel_range():

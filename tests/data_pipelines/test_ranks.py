@@ -29,10 +29,9 @@ def rank_main(rank: int, port: int, spec_file: str, out: str) -> None:
 
     sys.path.insert(0, str(HERE.parent))
     from dp_shards import data_cfg
-
-    from data_pipelines.errors import DataError
-    from data_pipelines.loader import build_loader
-    from data_pipelines.tokenizer import ByteTokenizer
+    from mmtrain.data_pipelines.errors import DataError
+    from mmtrain.data_pipelines.loader import build_loader
+    from mmtrain.data_pipelines.tokenizer import ByteTokenizer
 
     spec = json.loads(Path(spec_file).read_text())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

@@ -4,9 +4,8 @@ from pathlib import Path
 
 import pytest
 from dp_shards import text_shards, write_raw_tar, write_tar
-
-from data_pipelines.errors import DataError
-from data_pipelines.shards import ReadOptions, ShardPlan, expand_shards, expand_spec, iter_shard
+from mmtrain.data_pipelines.errors import DataError
+from mmtrain.data_pipelines.shards import ReadOptions, ShardPlan, expand_shards, expand_spec, iter_shard
 
 
 def _collect(url, **kw):
@@ -157,7 +156,7 @@ def test_members_over_the_cap_are_left_unread(tmp_path):
 
 
 def test_shard_order_is_computed_once_per_epoch(monkeypatch):
-    import data_pipelines.shards as shards
+    import mmtrain.data_pipelines.shards as shards
 
     calls = []
     real = shards.CounterRng.permutation

@@ -2,12 +2,9 @@ import json
 import random
 
 import pytest
-from tokenizers import Tokenizer as HFTok
-from tokenizers import models, pre_tokenizers
-
-from data_pipelines.errors import DataError
-from data_pipelines.synth import world
-from data_pipelines.tokenizer import (
+from mmtrain.data_pipelines.errors import DataError
+from mmtrain.data_pipelines.synth import world
+from mmtrain.data_pipelines.tokenizer import (
     SPECIAL_TOKENS,
     ByteTokenizer,
     HFTokenizer,
@@ -15,6 +12,8 @@ from data_pipelines.tokenizer import (
     load_tokenizer,
     train_bpe,
 )
+from tokenizers import Tokenizer as HFTok
+from tokenizers import models, pre_tokenizers
 
 
 def _random_text(rng: random.Random, n: int = 200) -> str:

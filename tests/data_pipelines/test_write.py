@@ -4,9 +4,8 @@ import tarfile
 
 import pytest
 from dp_shards import make_folder, make_jsonl
-
-from data_pipelines import write
-from data_pipelines.errors import DataError
+from mmtrain.data_pipelines import write
+from mmtrain.data_pipelines.errors import DataError
 
 
 def _run(*argv) -> int:

@@ -9,8 +9,8 @@ import random
 
 import pytest
 import torch
+from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES
 
-from data_pipelines.batch import IGNORE_INDEX, TASK_NAMES
 from mmtrain.balance import KINDS, BalanceConfig, build_balancer
 from mmtrain.objectives import head_grad_norms, head_grads, task_losses
 

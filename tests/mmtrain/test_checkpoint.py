@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from mmtrain.models.multimodal import MultimodalModel
 
 from mmtrain.checkpoint import Checkpointer, load_for_inference, load_state
 from mmtrain.cli import main
@@ -15,7 +16,6 @@ from mmtrain.config import from_dict
 from mmtrain.errors import UserError
 from mmtrain.run_config import RunConfig
 from mmtrain.trainer import Trainer
-from models.multimodal import MultimodalModel
 
 
 def save(ckpt: Checkpointer, step: int, value: float = 0.0, before_commit=None):

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from mmtrain.data_pipelines.packing import assemble
+from mmtrain.models.inference import SamplingConfig, prefill
 from PIL import Image
 
-from data_pipelines.packing import assemble
 from mmtrain import cli
 from mmtrain.captioning import CaptionSet, build_caption_set, read_words, score
 from mmtrain.config import apply_override, from_dict
@@ -30,7 +31,6 @@ from mmtrain.prompts import iter_val_samples, medium_file, prompt_document, read
 from mmtrain.report import print_summary
 from mmtrain.run_config import RunConfig
 from mmtrain.trainer import Trainer
-from models.inference import SamplingConfig, prefill
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +73,9 @@ def test_run_reports_captions_and_pointing(run, capsys):
 
 
 def test_pointing_game_equals_the_attention_map_tools(run):
-    from tools.attention_maps.inputs import doc_from_sample
-    from tools.attention_maps.maps import analyze_document
-    from tools.attention_maps.metrics import Grounding, summarize_trials
+    from mmtrain.attention_maps.inputs import doc_from_sample
+    from mmtrain.attention_maps.maps import analyze_document
+    from mmtrain.attention_maps.metrics import Grounding, summarize_trials
 
     m = load(str(run["dir"]), "cpu")
     docs = grounding_docs(m.cfg.data, m.tokenizer, 4)

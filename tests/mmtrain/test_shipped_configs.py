@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from mmtrain.models.multimodal import MultimodalModel
 
 from mmtrain.config import load_config
 from mmtrain.run_config import RunConfig
-from models.multimodal import MultimodalModel
 
 ROOT = Path(__file__).resolve().parents[2] / "configs"
 YAMLS = sorted(ROOT.rglob("*.yaml"))

@@ -16,12 +16,11 @@ import warnings
 
 import pytest
 import torch
-
-from models.attention import AttentionConfig, attend, build_meta, recompute_probs, select_blocks
-from models.attention.counts import full_counts, sparse_counts
-from models.attention.dense import dense_mask, dense_probs
-from models.attention.flex import attend_flex, full_block_mask, sparse_block_mask
-from models.attention.testing import random_batch, random_qkv, rel_err
+from mmtrain.models.attention import AttentionConfig, attend, build_meta, recompute_probs, select_blocks
+from mmtrain.models.attention.counts import full_counts, sparse_counts
+from mmtrain.models.attention.dense import dense_mask, dense_probs
+from mmtrain.models.attention.flex import attend_flex, full_block_mask, sparse_block_mask
+from mmtrain.models.attention.testing import random_batch, random_qkv, rel_err
 
 
 def run(q, k, v, meta, cfg, sparse, w):

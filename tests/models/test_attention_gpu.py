@@ -11,9 +11,8 @@ import warnings
 
 import pytest
 import torch
-
-from models.attention import AttentionConfig, attend, build_meta, resolve_backend
-from models.attention.testing import random_batch, random_qkv, rel_err
+from mmtrain.models.attention import AttentionConfig, attend, build_meta, resolve_backend
+from mmtrain.models.attention.testing import random_batch, random_qkv, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

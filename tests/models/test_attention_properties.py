@@ -20,10 +20,9 @@ import warnings
 
 import pytest
 import torch
-
-from models.attention import AttentionConfig, attend, build_meta, select_blocks
-from models.attention.flex import attend_flex
-from models.attention.testing import pack_row, random_doc_spans
+from mmtrain.models.attention import AttentionConfig, attend, build_meta, select_blocks
+from mmtrain.models.attention.flex import attend_flex
+from mmtrain.models.attention.testing import pack_row, random_doc_spans
 
 BACKENDS = ("dense", "gather", "flex")  # flex: the eager (uncompiled) forward on CPU
 TOL = 1e-5

@@ -7,8 +7,7 @@ Legend: B batch, H query heads, K kv heads, S tokens, D head dim, R query rows.
 from __future__ import annotations
 
 import torch
-
-from models.attention import (
+from mmtrain.models.attention import (
     AttentionConfig,
     build_meta,
     doc_first_BS,
@@ -18,7 +17,7 @@ from models.attention import (
     row_stats,
     text_rows,
 )
-from models.attention.testing import random_batch, random_qkv
+from mmtrain.models.attention.testing import random_batch, random_qkv
 
 T, V = 0, 1  # text, visual (image) modality
 

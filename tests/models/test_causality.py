@@ -16,13 +16,12 @@ from __future__ import annotations
 import random
 
 import torch
-
-from models.attention import AttentionConfig
-from models.decoder import DecoderConfig
-from models.moe import MoEConfig
-from models.multimodal import ModelConfig, MultimodalModel
-from models.testing import IMAGE, VIDEO, pack, random_doc
-from models.vision import VisionConfig
+from mmtrain.models.attention import AttentionConfig
+from mmtrain.models.decoder import DecoderConfig
+from mmtrain.models.moe import MoEConfig
+from mmtrain.models.multimodal import ModelConfig, MultimodalModel
+from mmtrain.models.testing import IMAGE, VIDEO, pack, random_doc
+from mmtrain.models.vision import VisionConfig
 
 V = 64
 

@@ -18,14 +18,13 @@ import random
 
 import pytest
 import torch
-
-from models.attention import AttentionConfig
-from models.decoder import DecoderConfig
-from models.inference import SamplingConfig, decode_step, generate_tokens, prefill, top_p_filter
-from models.moe import MoEConfig
-from models.multimodal import ModelConfig, MultimodalModel
-from models.testing import IMAGE, VIDEO, pack, random_doc
-from models.vision import VisionConfig
+from mmtrain.models.attention import AttentionConfig
+from mmtrain.models.decoder import DecoderConfig
+from mmtrain.models.inference import SamplingConfig, decode_step, generate_tokens, prefill, top_p_filter
+from mmtrain.models.moe import MoEConfig
+from mmtrain.models.multimodal import ModelConfig, MultimodalModel
+from mmtrain.models.testing import IMAGE, VIDEO, pack, random_doc
+from mmtrain.models.vision import VisionConfig
 
 V = 64
 

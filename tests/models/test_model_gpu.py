@@ -11,14 +11,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from models.attention import AttentionConfig
-from models.decoder import DecoderConfig
-from models.moe import MoE, MoEConfig
-from models.moe_dispatch import grouped_mm_supported, resolve_dispatch
-from models.multimodal import ModelConfig, MultimodalModel
-from models.testing import IMAGE, VIDEO, pack, random_doc
-from models.vision import VisionConfig
+from mmtrain.models.attention import AttentionConfig
+from mmtrain.models.decoder import DecoderConfig
+from mmtrain.models.moe import MoE, MoEConfig
+from mmtrain.models.moe_dispatch import grouped_mm_supported, resolve_dispatch
+from mmtrain.models.multimodal import ModelConfig, MultimodalModel
+from mmtrain.models.testing import IMAGE, VIDEO, pack, random_doc
+from mmtrain.models.vision import VisionConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -10,9 +10,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from models.moe import MoE, MoEConfig, seq_balance_loss
-from models.moe_dispatch import _grouped_mm_probe, grouped_mm_supported
+from mmtrain.models.moe import MoE, MoEConfig, seq_balance_loss
+from mmtrain.models.moe_dispatch import _grouped_mm_probe, grouped_mm_supported
 
 FAST_PATHS = ["batched"] + (["grouped_mm"] if grouped_mm_supported("cpu", torch.float32) else [])
 
@@ -65,7 +64,7 @@ def test_grouped_mm_probe_is_cached_and_boolean() -> None:
 @pytest.mark.parametrize("score", ["sigmoid", "softmax"])
 def test_combine_weights(score: str) -> None:
     moe = MoE(16, MoEConfig(n_routed=6, top_k=3, n_shared=0, expert_dim=8, score=score, dispatch="loop"))
-    from models.moe import route
+    from mmtrain.models.moe import route
 
     logits_TE = torch.randn(10, 6)
     idx_TK, w_TK, p_TE = route(logits_TE, moe.expert_bias_E, None, moe.cfg)

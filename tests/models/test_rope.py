@@ -6,8 +6,14 @@ Legend: A axes, S tokens, D head dim, F pairs.
 from __future__ import annotations
 
 import torch
-
-from models.rope import apply_rotary, axial_angles, inv_freq, mrope_freqs, vision_freqs, vision_sections
+from mmtrain.models.rope import (
+    apply_rotary,
+    axial_angles,
+    inv_freq,
+    mrope_freqs,
+    vision_freqs,
+    vision_sections,
+)
 
 D, SECTIONS, THETA = 32, (4, 6, 6), 10000.0
 

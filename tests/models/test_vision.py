@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from models.attention import AttentionConfig
-from models.vision import VisionConfig, VisionEncoder, patch_layout
+from mmtrain.models.attention import AttentionConfig
+from mmtrain.models.vision import VisionConfig, VisionEncoder, patch_layout
 
 CFG = VisionConfig(dim=32, depth=2, n_heads=2, patch_size=4, merge=2)
 P = CFG.patch_dim

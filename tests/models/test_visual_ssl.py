@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from models.attention import AttentionConfig
-from models.decoder import DecoderConfig
-from models.multimodal import ModelConfig, MultimodalModel
-from models.testing import IMAGE, VIDEO, pack, random_doc
-from models.vision import VisionConfig, VisionEncoder, make_ssl_mask
+from mmtrain.models.attention import AttentionConfig
+from mmtrain.models.decoder import DecoderConfig
+from mmtrain.models.multimodal import ModelConfig, MultimodalModel
+from mmtrain.models.testing import IMAGE, VIDEO, pack, random_doc
+from mmtrain.models.vision import VisionConfig, VisionEncoder, make_ssl_mask
 
 CFG = VisionConfig(dim=32, depth=1, n_heads=2, patch_size=4, ssl_head=True)
 P = CFG.patch_dim

@@ -8,23 +8,13 @@ from __future__ import annotations
 
 import random
 
+import mmtrain.models.self_attention as self_attention
 import numpy as np
 import pytest
 import torch
-
-import models.self_attention as self_attention
-from data_pipelines.batch import IMAGE, TEXT, VIDEO
-from data_pipelines.config import DataConfig, MediaConfig
-from data_pipelines.preprocess import Decoded
-from data_pipelines.tokenizer import ByteTokenizer
-from models.attention import AttentionConfig, build_meta, recompute_probs
-from models.attention.dense import dense_mask, dense_probs
-from models.decoder import DecoderConfig
-from models.multimodal import ModelConfig, MultimodalModel
-from models.vision import VisionConfig
-from tools.attention_maps.inputs import ObjectBoxes, build_doc_inputs
-from tools.attention_maps.maps import DocAttention, LayerRows, analyze_document, batch_attention_stats
-from tools.attention_maps.metrics import (
+from mmtrain.attention_maps.inputs import ObjectBoxes, build_doc_inputs
+from mmtrain.attention_maps.maps import DocAttention, LayerRows, analyze_document, batch_attention_stats
+from mmtrain.attention_maps.metrics import (
     AttentionTotals,
     chance_levels,
     match_object,
@@ -33,6 +23,15 @@ from tools.attention_maps.metrics import (
     pointing_trials,
     summarize_trials,
 )
+from mmtrain.data_pipelines.batch import IMAGE, TEXT, VIDEO
+from mmtrain.data_pipelines.config import DataConfig, MediaConfig
+from mmtrain.data_pipelines.preprocess import Decoded
+from mmtrain.data_pipelines.tokenizer import ByteTokenizer
+from mmtrain.models.attention import AttentionConfig, build_meta, recompute_probs
+from mmtrain.models.attention.dense import dense_mask, dense_probs
+from mmtrain.models.decoder import DecoderConfig
+from mmtrain.models.multimodal import ModelConfig, MultimodalModel
+from mmtrain.models.vision import VisionConfig
 
 TOK = ByteTokenizer()
 DATA = DataConfig(seq_len=256, media=MediaConfig(patch_size=8, min_pixels=256, max_pixels=48 * 64))
@@ -200,7 +199,7 @@ def test_pointing_primitives():
     m = _doc("image").media[0]
     box = ObjectBoxes({"shape": "square"}, [(20.0, 20.0, 40.0, 30.0)])  # tokens (1, 1) and (1, 2)
     mask = object_mask(box, m, 0)
-    from tools.attention_maps.metrics import cell_rects
+    from mmtrain.attention_maps.metrics import cell_rects
 
     rects = cell_rects(m)
     assert rects.shape == (3, 4, 4) and tuple(rects[2, 3]) == (48.0, 32.0, 64.0, 48.0)
@@ -219,7 +218,7 @@ def test_pointing_primitives():
 
 
 def test_bounded_maps_give_the_same_pointing_game():
-    from tools.attention_maps.metrics import pointing_rows
+    from mmtrain.attention_maps.metrics import pointing_rows
 
     red = ObjectBoxes({"color": "red", "shape": "circle"}, [(34.0, 18.0, 44.0, 28.0)])
     doc = _doc("image", "a red circle.", [red])

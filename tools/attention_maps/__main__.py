@@ -1,3 +1,3 @@
-from tools.attention_maps.cli import main
+from mmtrain.attention_maps.cli import main
 
 raise SystemExit(main())

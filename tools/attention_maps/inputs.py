@@ -19,21 +19,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from data_pipelines.batch import IMAGE, TEXT, VIDEO, PackedBatch
-from data_pipelines.config import DataConfig, MediaConfig
-from data_pipelines.decode import (
+from mmtrain.data_pipelines.batch import IMAGE, TEXT, VIDEO, PackedBatch
+from mmtrain.data_pipelines.config import DataConfig, MediaConfig
+from mmtrain.data_pipelines.decode import (
     IMAGE_EXTS,
     VIDEO_EXTS,
     decode_json,
     sample_frame_indices,
 )
-from data_pipelines.documents import Document, build_documents, encode, parse_sample
-from data_pipelines.ledger import SkipSample
-from data_pipelines.packing import assemble
-from data_pipelines.preprocess import Decoded, subsample
-from data_pipelines.shards import RawSample
-from data_pipelines.tokenizer import Tokenizer
+from mmtrain.data_pipelines.documents import Document, build_documents, encode, parse_sample
+from mmtrain.data_pipelines.ledger import SkipSample
+from mmtrain.data_pipelines.packing import assemble
+from mmtrain.data_pipelines.preprocess import Decoded, subsample
+from mmtrain.data_pipelines.shards import RawSample
+from mmtrain.data_pipelines.tokenizer import Tokenizer
+
 from mmtrain.errors import UserError
 from mmtrain.pointing import uniform_box
 from mmtrain.prompts import read_medium

@@ -25,13 +25,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from data_pipelines.batch import TEXT
-from models.attention import AttentionConfig, AttnMeta, build_meta
-from models.attention.recompute import block_pattern
-from models.attention.stats import doc_first_BS as doc_first_BS  # re-exported: shared with the trainer
-from models.attention.stats import row_stats, text_rows
-from models.multimodal import MultimodalModel
+from mmtrain.data_pipelines.batch import TEXT
+from mmtrain.models.attention import AttentionConfig, AttnMeta, build_meta
+from mmtrain.models.attention.recompute import block_pattern
+from mmtrain.models.attention.stats import (
+    doc_first_BS as doc_first_BS,  # re-exported: shared with the trainer
+)
+from mmtrain.models.attention.stats import row_stats, text_rows
+from mmtrain.models.multimodal import MultimodalModel
 
 from .inputs import DocInputs, MediumInfo
 

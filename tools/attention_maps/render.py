@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from data_pipelines.batch import TEXT
+from mmtrain.data_pipelines.batch import TEXT
 
 from . import plots
 from .maps import DocAttention

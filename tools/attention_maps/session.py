@@ -8,7 +8,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_pipelines.ledger import SkipSample
+from mmtrain.data_pipelines.ledger import SkipSample
+
 from mmtrain.errors import UserError
 from mmtrain.loading import Loaded, load_model
 from mmtrain.prompts import iter_val_samples, read_sample

@@ -67,8 +67,7 @@ def parse_args(argv=None):
 def child(args, backend: str, S: int) -> dict:
     """One (backend, S): build inputs, warm up, time fwd+bwd, report peak memory."""
     import torch
-
-    from models.attention import AttentionConfig, attend, build_meta
+    from mmtrain.models.attention import AttentionConfig, attend, build_meta
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     doc_BS = torch.zeros(args.batch, S, dtype=torch.int32)
@@ -125,9 +124,8 @@ def _nbytes(obj) -> int:
 def breakdown(q, k, meta, cfg, dev) -> dict:
     """Sizes of the sparse path's metadata, selection and block lists, and the selection's time."""
     import torch
-
-    from models.attention import select_blocks
-    from models.attention.blocks import sparse_lists
+    from mmtrain.models.attention import select_blocks
+    from mmtrain.models.attention.blocks import sparse_lists
 
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -147,8 +145,7 @@ def breakdown(q, k, meta, cfg, dev) -> dict:
 def flex_mask_time(meta, cfg, sel, H: int) -> float:
     """Seconds to build a sparse layer's flex BlockMask from its selection (CUDA, synchronised)."""
     import torch
-
-    from models.attention.flex import sparse_block_mask
+    from mmtrain.models.attention.flex import sparse_block_mask
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -26,13 +26,13 @@ import statistics
 import time
 
 import torch
+from mmtrain.models.inference import decode_step, new_cache, prefill
+from mmtrain.models.inference.attend import full_decode, sparse_decode
+from mmtrain.models.inference.cache import refresh_kmean
+from mmtrain.models.multimodal import MultimodalModel
 
 from mmtrain.config import load_config
 from mmtrain.run_config import RunConfig
-from models.inference import decode_step, new_cache, prefill
-from models.inference.attend import full_decode, sparse_decode
-from models.inference.cache import refresh_kmean
-from models.multimodal import MultimodalModel
 
 
 def parse_args(argv=None):

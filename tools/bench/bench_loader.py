@@ -21,13 +21,12 @@ from pathlib import Path
 
 import decord
 import webdataset as wds
+from mmtrain.data_pipelines.config import DataConfig, MediaConfig, SourceConfig
+from mmtrain.data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS, sample_frame_indices
+from mmtrain.data_pipelines.loader import build_loader
+from mmtrain.data_pipelines.shards import expand_shards
+from mmtrain.data_pipelines.tokenizer import load_tokenizer
 from PIL import Image
-
-from data_pipelines.config import DataConfig, MediaConfig, SourceConfig
-from data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS, sample_frame_indices
-from data_pipelines.loader import build_loader
-from data_pipelines.shards import expand_shards
-from data_pipelines.tokenizer import load_tokenizer
 
 KINDS = ("image", "video", "interleaved", "text")
 
@@ -76,8 +75,8 @@ def corpus_config(root: Path, args) -> DataConfig:
 
 
 def write_synth(out: Path, scale: int, image_size: int, video_size: int) -> None:
-    from data_pipelines.synth.config import SynthConfig
-    from data_pipelines.synth.writer import write_corpus
+    from mmtrain.data_pipelines.synth.config import SynthConfig
+    from mmtrain.data_pipelines.synth.writer import write_corpus
 
     n = dict(n_image=150 * scale, n_video=40 * scale, n_interleaved=40 * scale, n_text=100 * scale)
     cfg = SynthConfig(**n, n_val=4, shard_size=25 * scale, image_size=image_size, video_size=video_size)

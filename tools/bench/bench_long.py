@@ -63,13 +63,13 @@ def row_inputs(S: int, doc_len: int, image_every: int, vocab: int) -> dict:
 def child(args) -> dict:
     import torch
     import torch.nn.functional as F
+    from mmtrain.models.attention import build_meta
+    from mmtrain.models.decoder import Decoder
     from torch.utils.checkpoint import checkpoint
 
     from mmtrain.config import load_config
     from mmtrain.parallelize import checkpoint_forward, prime_probes
     from mmtrain.run_config import RunConfig
-    from models.attention import build_meta
-    from models.decoder import Decoder
 
     torch.set_num_threads(args.threads)
     S = args._child

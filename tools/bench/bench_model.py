@@ -22,11 +22,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.models.testing import IMAGE, VIDEO, pack, random_doc
 
 from mmtrain.config import load_config
 from mmtrain.run_config import RunConfig
-from models.multimodal import MultimodalModel
-from models.testing import IMAGE, VIDEO, pack, random_doc
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -15,9 +15,8 @@ import time
 from dataclasses import replace
 
 import torch
-
-from models.moe import MoE, MoEConfig
-from models.moe_dispatch import grouped_mm_supported
+from mmtrain.models.moe import MoE, MoEConfig
+from mmtrain.models.moe_dispatch import grouped_mm_supported
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -13,7 +13,8 @@ import shutil
 import statistics
 from pathlib import Path
 
-from data_pipelines.batch import TASK_NAMES
+from mmtrain.data_pipelines.batch import TASK_NAMES
+
 from mmtrain.evaluate import MEDIA_TASKS
 
 SHORT = {"text": "text", "image_text": "image", "video_text": "video"}
