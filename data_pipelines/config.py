@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mmtrain.checks import check
+
 
 @dataclass
 class SourceConfig:
@@ -16,8 +18,7 @@ class SourceConfig:
     def __post_init__(self):
         if not self.name:
             raise ValueError(f"name: must be non-empty (got {self.name!r})")
-        if not self.weight > 0:
-            raise ValueError(f"weight: must be > 0 (got {self.weight})")
+        check(self, "weight", gt=0)
 
 
 @dataclass
@@ -36,10 +37,8 @@ class MediaConfig:
     max_source_frames: int = 100_000  # frames of a video, from its headers (decode time); more: skipped
 
     def __post_init__(self):
-        for name in ("patch_size", "temporal_patch", "merge", "video_min_frames", "max_image_pixels",
-                     "max_source_frames"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        check(self, "patch_size", "temporal_patch", "merge", "video_min_frames", "max_image_pixels",
+              "max_source_frames", ge=1)
         factor = self.patch_size * self.merge
         if self.min_pixels < factor * factor:
             raise ValueError(f"min_pixels: must be >= (patch_size*merge)^2 = {factor * factor} "
@@ -49,15 +48,13 @@ class MediaConfig:
         if self.video_max_frames % self.temporal_patch:
             raise ValueError(f"video_max_frames: must be a multiple of temporal_patch {self.temporal_patch} "
                              f"(got {self.video_max_frames})")
-        if not self.video_fps > 0:
-            raise ValueError(f"video_fps: must be > 0 (got {self.video_fps})")
+        check(self, "video_fps", gt=0)
         if self.video_max_frames < self.video_min_frames:
             raise ValueError(f"video_max_frames: must be >= video_min_frames {self.video_min_frames} "
                              f"(got {self.video_max_frames})")
         if len(self.mean) != 3 or len(self.std) != 3:
             raise ValueError(f"mean/std: need 3 values each (got {self.mean}, {self.std})")
-        if not all(s > 0 for s in self.std):
-            raise ValueError(f"std: every value must be > 0 (got {list(self.std)})")
+        check(self, "std", gt=0)
 
     @property
     def factor(self) -> int:
@@ -91,22 +88,13 @@ class DataConfig:
     media: MediaConfig = field(default_factory=MediaConfig)
 
     def __post_init__(self):
-        for name in ("seq_len", "batch_size", "prefetch_factor", "pack_lookahead"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
-        if self.seq_len < 8:
-            raise ValueError(f"seq_len: must be >= 8 (got {self.seq_len})")
-        for name in ("max_member_bytes", "max_text_bytes", "max_media_per_doc", "shuffle_buffer_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
-        if not (self.retry_backoff_s >= 0 and self.stall_timeout_s > 0):
-            raise ValueError(f"retry_backoff_s/stall_timeout_s: must be >= 0 / > 0 (got "
-                             f"{self.retry_backoff_s}, {self.stall_timeout_s})")
-        for name in ("num_workers", "shuffle_buffer", "min_samples_for_failure_rate", "shard_retries"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
-        if not 0 <= self.max_failure_rate <= 1:
-            raise ValueError(f"max_failure_rate: must be in [0, 1] (got {self.max_failure_rate})")
+        check(self, "seq_len", ge=8)
+        check(self, "batch_size", "prefetch_factor", "pack_lookahead", "max_member_bytes", "max_text_bytes",
+              "max_media_per_doc", "shuffle_buffer_bytes", ge=1)
+        check(self, "retry_backoff_s", "num_workers", "shuffle_buffer", "min_samples_for_failure_rate",
+              "shard_retries", ge=0)
+        check(self, "stall_timeout_s", gt=0)
+        check(self, "max_failure_rate", ge=0, le=1)
         for split in ("train", "val"):
             names = [s.name for s in getattr(self, split)]
             if len(set(names)) != len(names):

@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
+from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import TASK_NAMES
 
 KINDS = ("static", "dwa", "uncertainty", "gradnorm", "reliance_guard")
@@ -36,23 +37,13 @@ class BalanceConfig:
     min_weight: float = 0.05  # GradNorm floor on its weights (DWA's and uncertainty's stay > 0 anyway)
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"kind: must be one of {', '.join(KINDS)} (got {self.kind!r})")
-        _check(self, "window", self.window >= 1, ">= 1")
-        for name in ("temperature", "lr"):
-            _check(self, name, getattr(self, name) > 0, "> 0")
-        for name in ("alpha", "min_gap"):
-            _check(self, name, getattr(self, name) >= 0, ">= 0")
-        for name in ("tolerance", "decay"):
-            _check(self, name, 0 <= getattr(self, name) <= 1, "in [0, 1]")
-        for name in ("gain", "max_weight"):
-            _check(self, name, getattr(self, name) >= 1, ">= 1")
-        _check(self, "min_weight", 0 < self.min_weight <= 1, "in (0, 1]")
-
-
-def _check(cfg: BalanceConfig, name: str, ok: bool, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}: must be {rule} (got {getattr(cfg, name)})")
+        check(self, "kind", choices=KINDS)
+        check(self, "window", ge=1)
+        check(self, "temperature", "lr", gt=0)
+        check(self, "alpha", "min_gap", ge=0)
+        check(self, "tolerance", "decay", ge=0, le=1)
+        check(self, "gain", "max_weight", ge=1)
+        check(self, "min_weight", gt=0, le=1)
 
 
 def _clean(values: dict[str, float] | None, allowed: tuple[str, ...]) -> dict[str, float]:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmtrain.caption_config import CaptionEvalConfig as CaptionEvalConfig  # re-exported
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS, decode_json
 from mmtrain.data_pipelines.ledger import SkipSample
@@ -39,22 +40,6 @@ if TYPE_CHECKING:
 
 # key.json field -> reported name
 ATTRIBUTES = {"color": "colour", "shape": "shape", "size": "size", "position": "place", "motion": "motion"}
-
-
-@dataclass
-class CaptionEvalConfig:
-    images: int = 8  # val images captioned at every evaluation (0 and videos 0: off)
-    videos: int = 4
-    max_new_tokens: int = 40
-    scan: int = 400  # val samples read at most (once) to find them
-    examples: int = 4  # captions kept in the eval record and the log
-
-    def __post_init__(self) -> None:
-        for name in ("images", "videos", "scan", "examples"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1 (got {self.max_new_tokens})")
 
 
 @dataclass

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mmtrain.balance import BalanceConfig
-from mmtrain.captioning import CaptionEvalConfig
+from mmtrain.caption_config import CaptionEvalConfig
+from mmtrain.checks import check
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.diagnostics import DiagConfig
 from mmtrain.models.multimodal import ModelConfig
@@ -23,18 +24,10 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
 
     def __post_init__(self):
-        if self.lr <= 0:
-            raise ValueError(f"lr: must be > 0 (got {self.lr})")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay: must be >= 0 (got {self.weight_decay})")
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas: each must be in [0, 1) (got {list(self.betas)})")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps: must be >= 0 (got {self.warmup_steps})")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio: must be in [0, 1] (got {self.min_lr_ratio})")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip: must be >= 0 (got {self.grad_clip})")
+        check(self, "lr", gt=0)
+        check(self, "weight_decay", "warmup_steps", "grad_clip", ge=0)
+        check(self, "betas", ge=0, lt=1)
+        check(self, "min_lr_ratio", ge=0, le=1)
 
 
 @dataclass
@@ -47,12 +40,9 @@ class VisualSSLConfig:
     media_share: float = 0.25
 
     def __post_init__(self):
-        if self.weight < 0:
-            raise ValueError(f"weight: must be >= 0 (got {self.weight})")
-        if not 0 < self.mask_ratio < 1:
-            raise ValueError(f"mask_ratio: must be in (0, 1) (got {self.mask_ratio})")
-        if not 0 < self.media_share <= 1:
-            raise ValueError(f"media_share: must be in (0, 1] (got {self.media_share})")
+        check(self, "weight", ge=0)
+        check(self, "mask_ratio", gt=0, lt=1)
+        check(self, "media_share", gt=0, le=1)
 
 
 @dataclass
@@ -68,9 +58,7 @@ class LossConfig:
     visual_ssl: VisualSSLConfig = field(default_factory=VisualSSLConfig)
 
     def __post_init__(self):
-        for name in ("text", "image_text", "video_text", "z_loss"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
+        check(self, "text", "image_text", "video_text", "z_loss", ge=0)
 
 
 @dataclass
@@ -84,9 +72,7 @@ class FaultConfig:
     rank: int = 0  # the rank the faults hit (the others must notice: skip together, or exit)
 
     def __post_init__(self):
-        for name in ("nan_at_step", "kill_at_step", "kill_in_save_at_step", "rank"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
+        check(self, "nan_at_step", "kill_at_step", "kill_in_save_at_step", "rank", ge=0)
 
 
 @dataclass
@@ -98,8 +84,7 @@ class StageConfig:
     sources: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.until_step < 1:
-            raise ValueError(f"until_step: must be >= 1 (got {self.until_step})")
+        check(self, "until_step", ge=1)
         if not self.sources:
             raise ValueError("sources: must name at least one data.train source")
 
@@ -127,12 +112,9 @@ class TrainConfig:
         ends = [s.until_step for s in self.stages]
         if ends != sorted(set(ends)):
             raise ValueError(f"stages: until_step must increase (got {ends})")
-        for name in ("steps", "grad_accum", "log_every", "keep_last", "max_skipped_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
-        for name in ("threads", "eval_every", "eval_batches", "ckpt_every", "time_limit_min", "peak_tflops"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
+        check(self, "steps", "grad_accum", "log_every", "keep_last", "max_skipped_steps", ge=1)
+        check(self, "threads", "eval_every", "eval_batches", "ckpt_every", "time_limit_min", "peak_tflops",
+              ge=0)
 
 
 @dataclass
@@ -150,8 +132,7 @@ class DistConfig:
     meta_init: bool = True  # FSDP on CUDA: build on the meta device, shard, then initialise (no full copy)
 
     def __post_init__(self):
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s: must be > 0 (got {self.timeout_s})")
+        check(self, "timeout_s", gt=0)
 
 
 @dataclass

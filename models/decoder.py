@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mmtrain.checks import check
+
 from .attention import AttentionConfig, build_meta
 from .ffn import SwiGLU
 from .moe import MoE, MoEConfig
@@ -42,11 +44,8 @@ class DecoderConfig:
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"vocab_size: must be >= 1 or null (got {self.vocab_size})")
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        check(self, "vocab_size", ge=1, none_ok=True)
+        check(self, "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", ge=1)
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"n_heads: must divide dim {self.dim} into even head dims (got {self.n_heads})")
         if self.n_heads % self.n_kv_heads:
@@ -58,8 +57,7 @@ class DecoderConfig:
                              f"(got {list(self.mrope_sections)})")
         if not self.layer_layout or set(self.layer_layout) - {"F", "S"}:
             raise ValueError(f"layer_layout: a non-empty string of F and S (got {self.layer_layout!r})")
-        if self.init_std <= 0:
-            raise ValueError(f"init_std: must be > 0 (got {self.init_std})")
+        check(self, "init_std", gt=0)
 
     @property
     def head_dim(self) -> int:

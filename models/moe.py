@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmtrain.checks import check
+
 from .ffn import SwiGLU
 from .moe_dispatch import count, run_experts
 
@@ -50,19 +52,11 @@ class MoEConfig:
     dispatch: Literal["auto", "grouped_mm", "batched", "loop"] = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("n_routed", "top_k", "expert_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
-        for name in ("n_shared", "first_dense_layers", "n_text_experts", "n_visual_experts"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
-        for name in ("bias_update_rate", "seq_aux_weight", "router_z_weight", "route_scale"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
-        if self.score not in ("sigmoid", "softmax"):
-            raise ValueError(f"score: must be 'sigmoid' or 'softmax' (got {self.score!r})")
-        if self.dispatch not in ("auto", "grouped_mm", "batched", "loop"):
-            raise ValueError(f"dispatch: must be auto, grouped_mm, batched or loop (got {self.dispatch!r})")
+        check(self, "n_routed", "top_k", "expert_dim", ge=1)
+        check(self, "n_shared", "first_dense_layers", "n_text_experts", "n_visual_experts", ge=0)
+        check(self, "bias_update_rate", "seq_aux_weight", "router_z_weight", "route_scale", ge=0)
+        check(self, "score", choices=("sigmoid", "softmax"))
+        check(self, "dispatch", choices=("auto", "grouped_mm", "batched", "loop"))
         if self.modality_groups:
             if self.n_text_experts + self.n_visual_experts != self.n_routed:
                 raise ValueError(f"n_text_experts: n_text_experts + n_visual_experts must equal n_routed "

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mmtrain.checks import check
+
 from .attention import AttentionConfig, build_meta
 from .ffn import GeluMLP
 from .norms import RMSNorm
@@ -57,18 +59,13 @@ class VisionConfig:
     ssl_head: bool = False
 
     def __post_init__(self) -> None:
-        if self.abs_pos_grid < 0:
-            raise ValueError(f"abs_pos_grid: must be >= 0 (got {self.abs_pos_grid})")
-        for name in ("patch_size", "temporal_patch", "in_channels", "dim", "depth", "n_heads", "merge"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        check(self, "abs_pos_grid", ge=0)
+        check(self, "patch_size", "temporal_patch", "in_channels", "dim", "depth", "n_heads", "merge", ge=1)
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 4:
             raise ValueError(f"n_heads: dim / n_heads must be a multiple of 4 for (t, h, w) RoPE "
                              f"(got dim {self.dim}, n_heads {self.n_heads})")
-        if self.mlp_ratio <= 0:
-            raise ValueError(f"mlp_ratio: must be > 0 (got {self.mlp_ratio})")
-        if self.rope_theta <= 1:
-            raise ValueError(f"rope_theta: must be > 1 (got {self.rope_theta})")
+        check(self, "mlp_ratio", gt=0)
+        check(self, "rope_theta", gt=1)
 
     @property
     def patch_dim(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from mmtrain.checks import check
+
 KINDS = ("image", "video", "interleaved", "text")
 SPLITS = ("train", "val")
 
@@ -29,27 +31,15 @@ class SynthConfig:
     workers: int = 0  # processes rendering shards, 0 = one per CPU core (max 8); bytes do not depend on it
 
     def __post_init__(self):
-        if self.seed < 0:
-            raise ValueError(f"seed: must be >= 0 (got {self.seed})")
-        for name in ("n_image", "n_video", "n_interleaved", "n_text", "n_val"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
+        check(self, "seed", "n_image", "n_video", "n_interleaved", "n_text", "n_val", "workers", ge=0)
         if self.n_image + self.n_video + self.n_interleaved + self.n_text == 0:
             raise ValueError("n_image: all train counts are 0 (got 0); nothing to write")
-        if self.workers < 0:
-            raise ValueError(f"workers: must be >= 0 (got {self.workers})")
-        for name in ("shard_size", "frames", "fps", "min_images"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be positive (got {getattr(self, name)})")
-        for name in ("image_size", "video_size"):
-            if getattr(self, name) < 32:
-                raise ValueError(f"{name}: must be at least 32 px (got {getattr(self, name)})")
+        check(self, "shard_size", "fps", "min_images", ge=1)
+        check(self, "image_size", "video_size", ge=32)  # px
         if self.video_size % 2:
             raise ValueError(f"video_size: must be even for yuv420p video (got {self.video_size})")
-        if self.frames < 2:
-            raise ValueError(f"frames: a clip needs at least 2 frames to show motion (got {self.frames})")
-        if self.vocab_size < 265:
-            raise ValueError(f"vocab_size: must be >= 265 = 256 bytes + 9 specials (got {self.vocab_size})")
+        check(self, "frames", ge=2)  # a clip needs 2 frames to show motion
+        check(self, "vocab_size", ge=265)  # 256 bytes + 9 specials
         if not self.min_images <= self.max_images <= 9:
             raise ValueError(f"max_images: must be in [min_images, 9] (got {self.max_images})")
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-BACKENDS = ("auto", "dense", "gather", "flex", "flash")
+from mmtrain.checks import check
+
+BACKENDS = ("auto", "dense", "gather", "flex", "flash", "sdpa")
 
 
 @dataclass
 class AttentionConfig:
     # auto: sparse layers -> flex on CUDA, gather on CPU; full layers -> flash if installed and the
-    # batch has no bidirectional span, else flex on CUDA, gather (exact, block-chunked) on CPU.
-    backend: Literal["auto", "dense", "gather", "flex", "flash"] = "auto"
+    # batch has no bidirectional span, else flex on CUDA, sdpa (fused SDPA per document) on CPU.
+    # sdpa: full layers only (sparse layers of an sdpa config run gather).
+    backend: Literal["auto", "dense", "gather", "flex", "flash", "sdpa"] = "auto"
     block_size: int = 64  # B in DESIGN.md
     window: int = 256  # sliding window in tokens (sparse layers)
     top_k: int = 4  # selected completed earlier key blocks of the document
@@ -32,21 +35,9 @@ class AttentionConfig:
     full_tile: int = 64  # query tokens per tile of a full layer's gather path (it has no blocks)
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend: must be one of {BACKENDS} (got {self.backend!r})")
-        if self.block_size < 1:
-            raise ValueError(f"block_size: must be >= 1 (got {self.block_size})")
-        if self.window < 0:
-            raise ValueError(f"window: must be >= 0 (got {self.window})")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: must be >= 0 (got {self.top_k})")
-        if self.select_per not in ("head", "kv_group"):
-            raise ValueError(f"select_per: must be 'head' or 'kv_group' (got {self.select_per!r})")
-        if self.select not in ("token", "block"):
-            raise ValueError(f"select: must be 'token' or 'block' (got {self.select!r})")
-        if self.dense_impl not in ("sdpa", "eager"):
-            raise ValueError(f"dense_impl: must be 'sdpa' or 'eager' (got {self.dense_impl!r})")
-        if self.full_tile < 1:
-            raise ValueError(f"full_tile: must be >= 1 (got {self.full_tile})")
-        if self.gather_chunk < 1:
-            raise ValueError(f"gather_chunk: must be >= 1 (got {self.gather_chunk})")
+        check(self, "backend", choices=BACKENDS)
+        check(self, "select_per", choices=("head", "kv_group"))
+        check(self, "select", choices=("token", "block"))
+        check(self, "dense_impl", choices=("sdpa", "eager"))
+        check(self, "block_size", "full_tile", "gather_chunk", ge=1)
+        check(self, "window", "top_k", ge=0)

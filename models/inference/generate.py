@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mmtrain.checks import check
+
 from .engine import decode_step, encode_media, prefill
 
 Tensor = torch.Tensor
@@ -27,12 +29,9 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1 (got {self.max_new_tokens})")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature: must be >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1] (got {self.top_p})")
+        check(self, "max_new_tokens", ge=1)
+        check(self, "temperature", ge=0)
+        check(self, "top_p", gt=0, le=1)
 
 
 @dataclass
