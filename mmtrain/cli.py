@@ -8,22 +8,8 @@ else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
 
-from mmtrain.data_pipelines.errors import DataError
-from mmtrain.errors import UserError
-
-
-def run_guarded(fn: Callable[[], int]) -> int:
-    try:
-        return fn()
-    except (UserError, DataError) as e:
-        print(f"mmtrain: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("mmtrain: interrupted", file=sys.stderr)
-        return 130
+from mmtrain.errors import run_guarded
 
 
 def build_parser() -> argparse.ArgumentParser:

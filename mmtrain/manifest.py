@@ -18,6 +18,10 @@ from mmtrain.distributed import DistEnv
 
 MANIFEST_FILE = "manifest.json"
 VERSION = 1
+# The names checkpoint.py writes a rank's files under (it imports this module, so they are spelled
+# here too rather than imported back; tests/mmtrain/test_manifest.py keeps the two equal).
+DCP_DIR = "dcp"
+RANK_FILE = "rank_{:05d}.pt"
 
 
 def _entry(file: Path) -> dict:
@@ -32,8 +36,6 @@ def _all_files(root: Path) -> list[str]:
 
 def _own_files(root: Path, rank: int) -> list[str]:
     """The files this rank wrote: its data/RNG state and its DCP shards."""
-    from mmtrain.checkpoint import DCP_DIR, RANK_FILE
-
     own = [RANK_FILE.format(rank)] + [f"{DCP_DIR}/{p.name}" for p in (root / DCP_DIR).glob(f"__{rank}_*")]
     return [name for name in own if (root / name).is_file()]
 

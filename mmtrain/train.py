@@ -58,7 +58,7 @@ def finish(code: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmtrain.cli import run_guarded
+    from mmtrain.errors import run_guarded
 
     parser = argparse.ArgumentParser(prog="python -m mmtrain.train", description=__doc__)
     add_arguments(parser)

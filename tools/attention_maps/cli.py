@@ -58,22 +58,6 @@ def _check(args) -> None:
         raise UserError("--chunk must be >= 1, --examples and --threads >= 0")
 
 
-def parse_heads(spec: str, n_heads: int) -> str | list[int]:
-    """--heads: "mean", "all", or distinct head indices (negative: from the end)."""
-    from mmtrain.errors import UserError
-
-    if spec in ("mean", "all"):
-        return spec
-    bad = UserError(f"--heads: mean, all, or head indices in [0, {n_heads}) (got {spec!r})")
-    try:
-        heads = [int(x) for x in spec.split(",")]
-    except ValueError:
-        raise bad from None
-    if not heads or any(not -n_heads <= h < n_heads for h in heads):
-        raise bad
-    return sorted({h % n_heads for h in heads})
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -95,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmtrain.cli import run_guarded
+    from mmtrain.errors import run_guarded
 
     parser = argparse.ArgumentParser(prog="mmtrain-attn", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

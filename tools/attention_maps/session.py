@@ -33,8 +33,6 @@ class Session:
 
     @classmethod
     def open(cls, args) -> Session:
-        from .cli import parse_heads
-
         loaded = load_model(args.ckpt, args.device)
         dec = loaded.cfg.model.decoder
         try:
@@ -170,6 +168,20 @@ class Session:
                              self.figures(g, examples[0][0] if examples else None), examples)
         return [f"{used} val documents ({dict(g.kinds)})", *_headline_lines(metrics),
                 f"report: {report}", f"metrics: {self.out / 'metrics.json'}"]
+
+
+def parse_heads(spec: str, n_heads: int) -> str | list[int]:
+    """--heads: "mean", "all", or distinct head indices (negative: from the end)."""
+    if spec in ("mean", "all"):
+        return spec
+    bad = UserError(f"--heads: mean, all, or head indices in [0, {n_heads}) (got {spec!r})")
+    try:
+        heads = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise bad from None
+    if not heads or any(not -n_heads <= h < n_heads for h in heads):
+        raise bad
+    return sorted({h % n_heads for h in heads})
 
 
 def _doc_summary(doc) -> dict:

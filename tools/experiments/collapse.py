@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path, help="also copy table.md, results.json and plots here")
     args = p.parse_args(argv)
 
-    from mmtrain.cli import run_guarded
+    from mmtrain.errors import run_guarded
 
     return run_guarded(lambda: _run(args))
 

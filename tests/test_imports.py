@@ -1,0 +1,148 @@
+"""Imports point one way (docs/ARCHITECTURE.md): no import cycles among the project's modules, and
+`models/` and `data_pipelines/` import neither the trainer side nor each other.
+
+Static, with `ast`: every `import` in a file counts, at module level or inside a function (a
+function-level import only hides a cycle until the function runs). Folders are named as installed
+(`models/` is `mmtrain.models`, ...); an import of a name from a package counts as an import of
+that package's `__init__` unless the name is a submodule.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def setup_roots() -> dict[str, str]:
+    """setup.py's ROOTS (import name -> folder), read without running setup.py."""
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "ROOTS")
+    return ast.literal_eval(node.value)
+
+
+FOLDERS = {folder: name for name, folder in setup_roots().items()}  # folder -> its import name
+# the one module models/ and data_pipelines/ may take from outside themselves: stdlib-only checks
+LEAVES = {"mmtrain.checks"}
+
+
+def project_modules() -> dict[str, Path]:
+    mods = {}
+    for folder, name in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            mod = ".".join([name, *parts])
+            mods[mod] = path
+    return mods
+
+
+def _resolve(node: ast.ImportFrom, module: str, is_pkg: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_pkg else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules `module` imports (anywhere in the file)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(node, module, path.name == "__init__.py")
+            subs = {f"{target}.{a.name}" for a in node.names} & known
+            out |= subs or {target}
+            if len(subs) < len(node.names):
+                out.add(target)
+    return {m for m in out if m in known and m != module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = project_modules()
+    return {m: imports_of(m, p, set(mods)) for m, p in mods.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        x = stack.pop()
+                        on_stack.discard(x)
+                        comp.append(x)
+                        if x == v:
+                            break
+                    if len(comp) > 1:
+                        found.append(sorted(comp))
+            elif w not in index:
+                index[w] = low[w] = len(index)
+                stack.append(w)
+                on_stack.add(w)
+                work.append((w, iter(sorted(graph[w]))))
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+    return found
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_graph_sees_the_project():
+    graph = import_graph()
+    assert {"mmtrain.cli", "mmtrain.models.decoder", "mmtrain.data_pipelines.loader",
+            "mmtrain.attention_maps.session"} <= set(graph)
+    assert "mmtrain.attention_maps.maps" in graph["mmtrain.attention_maps.session"]  # relative
+    assert "mmtrain.train" in graph["mmtrain.cli"]  # function-level
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_models_and_data_pipelines_import_only_themselves():
+    bad = []
+    for mod, deps in import_graph().items():
+        for own, other in (("mmtrain.models", "mmtrain.data_pipelines"),
+                           ("mmtrain.data_pipelines", "mmtrain.models")):
+            if _inside(mod, own):
+                bad += [f"{mod} -> {d}" for d in deps
+                        if d not in LEAVES and (not _inside(d, own) or _inside(d, other))]
+    assert not bad, "models/ and data_pipelines/ must not import the trainer side or each other: " + \
+        ", ".join(sorted(bad))
+
+
+def test_leaves_import_nothing_from_the_project():
+    graph = import_graph()
+    for leaf in LEAVES & set(graph):
+        assert not graph[leaf], f"{leaf} must stay a leaf (stdlib only): imports {sorted(graph[leaf])}"
