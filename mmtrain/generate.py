@@ -31,7 +31,7 @@ import torch
 
 from mmtrain.data_pipelines.packing import assemble
 from mmtrain.errors import UserError
-from mmtrain.loading import Loaded, load_model
+from mmtrain.loading import Loaded, checkpoint_line, load_model
 from mmtrain.models.inference import SamplingConfig, generate_tokens
 from mmtrain.prompts import Prompt, jsonl_prompts, medium_file, prompt_document, read_samples, sample_prompt
 
@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
                 f.writelines(json.dumps(asdict(g)) + "\n" for g in res.generations)
         except OSError as e:
             raise UserError(f"--out {args.out}: cannot write: {e.strerror or e}") from None
+    print(checkpoint_line(args.ckpt, m.path), file=sys.stderr)
     print(f"{len(res.generations)} prompt(s), {res.new_tokens} new tokens in {res.seconds:.2f} s "
           f"({res.new_tokens / max(res.seconds, 1e-9):.1f} tokens/s); KV cache "
           f"{res.cache_bytes_per_token:,.0f} bytes/token", file=sys.stderr)

@@ -65,6 +65,12 @@ def clean_state_dict(state: dict) -> dict:
     return out
 
 
+def checkpoint_line(asked: str | Path, used: Path) -> str:
+    """What a command prints about the checkpoint it loaded (a run directory names its pick)."""
+    asked = Path(asked)
+    return f"checkpoint: {used}" + ("" if used == asked else f" (newest valid in {asked})")
+
+
 def load_model(path: str | Path, device: str = "cpu") -> Loaded:
     """Checkpoint, run or export directory -> model in eval mode on `device`, its run config and
     tokenizer."""

@@ -4,26 +4,24 @@ For every val token whose target is a shapes-world attribute word (colour, shape
 motion) in a document with media, compare the model's prediction with the real media and with
 the media blanked. A class whose accuracy does not drop when blanked is not read from pixels.
 
-    python -m tools.word_probe --ckpt runs/tiny/step_600 [--json]
+    python -m tools.word_probe --ckpt runs/tiny [--json]   (a run, checkpoint or export directory)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 
 import torch
 from mmtrain.data_pipelines.batch import TASK_NAMES
 from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.synth.world import COLOR_NAMES, MOTIONS, POSITIONS, SHAPES, SIZES
-from mmtrain.data_pipelines.tokenizer import load_tokenizer
-from mmtrain.models.multimodal import MultimodalModel
 
-from mmtrain.checkpoint import load_for_inference
-from mmtrain.config import from_dict
+from mmtrain.errors import run_guarded
 from mmtrain.evaluate import blank_media
-from mmtrain.run_config import RunConfig
+from mmtrain.loading import checkpoint_line, load_model
 
 WORD_CLASSES = {
     "colour": COLOR_NAMES,
@@ -48,13 +46,10 @@ def word_ids(tok) -> dict[int, str]:
 
 @torch.no_grad()
 def probe(ckpt: str) -> dict:
-    cfg_dict, state, tok_path = load_for_inference(ckpt)
-    cfg = from_dict(RunConfig, cfg_dict, source=str(ckpt))
+    loaded = load_model(ckpt)
+    print(checkpoint_line(ckpt, loaded.path), file=sys.stderr)
+    cfg, tok, model = loaded.cfg, loaded.tokenizer, loaded.model
     cfg.data.num_workers = 0
-    tok = load_tokenizer(tok_path or cfg.data.tokenizer)
-    model = MultimodalModel(cfg.model)
-    model.load_state_dict(state)
-    model.eval()
     classes = word_ids(tok)
     lookup_V = torch.full((cfg.model.decoder.vocab_size,), -1)
     names = sorted(set(classes.values()))
@@ -83,9 +78,14 @@ def probe(ckpt: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ckpt", required=True)
+    p.add_argument("--ckpt", required=True, help="RUN/step_<N>, a run directory (its newest valid "
+                                                 "checkpoint) or an `mmtrain export` directory")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    return run_guarded(lambda: _report(args))
+
+
+def _report(args: argparse.Namespace) -> int:
     result = probe(args.ckpt)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -121,6 +121,7 @@ def test_cli_sample_image_and_jsonl(run, tmp_path, capsys):
             "--out", str(out)]
     rc, stdout, err = _cli(argv, capsys)
     assert rc == 0 and stdout.startswith(f"{key}: ") and "bytes/token" in err
+    assert f"checkpoint: {run['dir']}/step_" in err and f"(newest valid in {run['dir']})" in err
     rec = json.loads(out.read_text())
     assert rec["reference"] and rec["new_tokens"] <= 4 and rec["finish"] in ("eos", "length")
     _, vid = _val(run["corpus"], "video")

@@ -98,6 +98,7 @@ def test_image_with_boxes_and_all_heads(setup, tmp_path, capsys):
     # Every text token after the image has a picture; "red" is linked from the token strip.
     assert len(list((out / "maps").glob("*_t*_*.png"))) == len(m["tokens"]) >= 4
     assert "pointing colour" in stdout
+    assert stdout.splitlines()[0] == f"checkpoint: {setup['ckpt']}"
 
 
 def test_video_sample_from_a_shard(setup, tmp_path, capsys):
@@ -119,10 +120,12 @@ def test_from_val_aggregate_and_mmtrain_subcommand(setup, tmp_path, capsys, monk
     monkeypatch.chdir(tmp_path)  # val shard paths in the config are absolute
     out = tmp_path / "val"
     torch.set_num_threads(1)
-    rc = mmtrain_cli.main(["attn", "--ckpt", setup["ckpt"], "--from-val", "6", "--examples", "2",
+    run_dir = Path(setup["ckpt"]).parent  # a run directory: its newest valid checkpoint is used
+    rc = mmtrain_cli.main(["attn", "--ckpt", str(run_dir), "--from-val", "6", "--examples", "2",
                            "--out", str(out)])
-    err = capsys.readouterr().err
+    stdout, err = capsys.readouterr()
     assert rc == 0, err
+    assert stdout.splitlines()[0] == f"checkpoint: {setup['ckpt']} (newest valid in {run_dir})"
     m = _outputs_ok(out)
     assert m["mode"] == "from_val" and m["samples"]["used"] == 6
     assert m["samples"]["by_kind"] == {"image": 2, "video": 2, "interleaved": 2}
@@ -133,6 +136,16 @@ def test_from_val_aggregate_and_mmtrain_subcommand(setup, tmp_path, capsys, monk
     assert set(m["headline"]) == {"colour", "shape"}
     assert set(m["attention"]["by_kind"]) == {"image", "video", "interleaved"}
     assert (out / "pointing.png").stat().st_size > 100
+
+
+def test_word_probe_takes_a_run_directory(setup, capsys):
+    from tools.word_probe import main as word_probe
+
+    run_dir = Path(setup["ckpt"]).parent
+    assert word_probe(["--ckpt", str(run_dir), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert f"checkpoint: {setup['ckpt']} (newest valid in {run_dir})" in err
+    assert all(0 <= v["accuracy"] <= 1 for v in json.loads(out).values())
 
 
 def _bad_image(setup) -> list[str]:

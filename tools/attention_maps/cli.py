@@ -16,7 +16,8 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, help="checkpoint directory, e.g. runs/tiny/step_600")
+    p.add_argument("--ckpt", required=True, help="RUN/step_<N>, a run directory (its newest valid "
+                                                 "checkpoint, e.g. runs/tiny) or an export directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--image", metavar="FILE", help="an image file (with --text)")
     src.add_argument("--video", metavar="FILE", help="a video file (with --text)")

@@ -11,7 +11,7 @@ from pathlib import Path
 from mmtrain.data_pipelines.ledger import SkipSample
 
 from mmtrain.errors import UserError
-from mmtrain.loading import Loaded, load_model
+from mmtrain.loading import Loaded, checkpoint_line, load_model
 from mmtrain.prompts import iter_val_samples, read_sample
 
 from . import plots
@@ -125,7 +125,8 @@ class Session:
                  f"{_describe(doc)}</p>")
         report = self._write(metrics, f"Attention maps: {doc.name}", intro, self.figures(g, att),
                              [(att, pics, trials[self.args.query], f"{doc.kind}: {doc.name}")])
-        return [f"{doc.kind} {doc.name}: {len(doc)} tokens, {len(pics.tokens)} token maps",
+        return [checkpoint_line(self.args.ckpt, self.loaded.path),
+                f"{doc.kind} {doc.name}: {len(doc)} tokens, {len(pics.tokens)} token maps",
                 *_headline_lines(metrics), f"report: {report}", f"metrics: {self.out / 'metrics.json'}"]
 
     def run_val(self) -> list[str]:
@@ -166,7 +167,8 @@ class Session:
                  f"round-robin over the val sources; {len(examples)} rendered below.</p>")
         report = self._write(metrics, f"Attention maps over {used} val documents", intro,
                              self.figures(g, examples[0][0] if examples else None), examples)
-        return [f"{used} val documents ({dict(g.kinds)})", *_headline_lines(metrics),
+        return [checkpoint_line(self.args.ckpt, self.loaded.path), f"{used} val documents ({dict(g.kinds)})",
+                *_headline_lines(metrics),
                 f"report: {report}", f"metrics: {self.out / 'metrics.json'}"]
 
 
