@@ -1,7 +1,7 @@
 """Preprocess decoded frames: resize to a patch grid, normalise, patchify.
 
 Legend: T frames, H/W pixels, C = 3 channels, p = patch_size, tp = temporal_patch,
-N = patches of one medium, P = C * tp * p * p.
+N = patches of one medium, K = tp * p * p values per channel, P = C * K.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from einops import rearrange
 from mmtrain.data_pipelines.batch import IMAGE, VIDEO
 from mmtrain.data_pipelines.config import MediaConfig
 from PIL import Image
@@ -60,15 +61,14 @@ def patchify(frames_THWC: np.ndarray, media: MediaConfig) -> np.ndarray:
 
     NumPy, not torch: torch's intra-op threads thrash on these small tensors in a loader process.
     """
-    T, H, W, C = frames_THWC.shape
     p, tp = media.patch_size, media.temporal_patch
-    x = frames_THWC.reshape(T // tp, tp, H // p, p, W // p, p, C)  # gt tp gh p gw p C
-    x = np.ascontiguousarray(x.transpose(0, 2, 4, 6, 1, 3, 5))  # gt gh gw C tp p p, still uint8: cheap
-    std = np.asarray(media.std, np.float32).reshape(C, 1, 1, 1)
-    x_f32 = x.astype(np.float32)
-    x_f32 *= 1.0 / (255.0 * std)
-    x_f32 -= np.asarray(media.mean, np.float32).reshape(C, 1, 1, 1) / std
-    return x_f32.reshape((T // tp) * (H // p) * (W // p), C * tp * p * p)
+    # one copy, still uint8 (cheap): N = gt gh gw tubelets in raster order, each C x (tp p q)
+    x_NCK = rearrange(frames_THWC, "(gt tp) (gh p) (gw q) c -> (gt gh gw) c (tp p q)", tp=tp, p=p, q=p)
+    std_C1 = np.asarray(media.std, np.float32)[:, None]
+    x_f32 = x_NCK.astype(np.float32)
+    x_f32 *= 1.0 / (255.0 * std_C1)
+    x_f32 -= np.asarray(media.mean, np.float32)[:, None] / std_C1
+    return x_f32.reshape(len(x_f32), -1)
 
 
 @dataclass

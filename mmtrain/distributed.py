@@ -1,7 +1,8 @@
 """The process group under torchrun: which rank and device this process is, and the few
 collectives the trainer needs (each a no-op in a single process).
 
-torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
+torchrun (or `accelerate launch --multi_gpu`, which runs torchrun) sets RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
 a plain `python -m mmtrain.train` sets none of them and runs as one process with no process
 group at all (the fast path: no wrappers, no collectives).
 """
