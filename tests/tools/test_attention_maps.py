@@ -230,3 +230,23 @@ def test_bounded_maps_give_the_same_pointing_game():
         a, b = pointing_trials(full, q), pointing_trials(bounded, q)
         assert [t.to_dict() for t in a] == [t.to_dict() for t in b] and len(a) == 2
     torch.testing.assert_close(full.per_layer[1].mass_HR, bounded.per_layer[1].mass_HR)
+
+
+def test_heat_panel_keeps_unattended_pixels_visible_and_labels_the_target():
+    from mmtrain.attention_maps import plots
+
+    m = _doc("image").media[0]
+    frame = np.full((*m.orig_hw, 3), 200, np.uint8)  # a light grey image
+    t, h, w = m.grid_thw
+    map_hw = np.zeros((h, w))
+    map_hw[0, 0] = 1.0
+    box = (0.0, 0.0, m.orig_hw[1] / w, m.orig_hw[0] / h)  # the hot cell
+    pw, ph = plots.display_size(m)
+    bare = np.asarray(plots.heat_panel(frame, None, m, "t", [(box, "target: red circle")]))
+    pic = np.asarray(plots.heat_panel(frame, map_hw, m, "t", [(box, "target: red circle")]))
+    assert pic.shape == (ph + plots.TITLE, pw, 3) and max(pw, ph) == plots.PANEL
+    far = pic[-2, -2].astype(int)  # a cold cell: the image shows through, not the colour map's black
+    assert np.abs(far - 200).max() < 0.2 * 200
+    assert not np.array_equal(pic, bare)
+    tag = bare[plots.TITLE:, :, :]
+    assert ((tag == plots.BOX).all(-1)).sum() > 50  # the box and its filled label tag

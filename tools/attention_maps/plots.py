@@ -1,9 +1,14 @@
 """Pictures: per-token heatmaps over images and video frames (Pillow), and summary figures (matplotlib).
 
-Heatmaps are nearest-upsampled (one square per merged visual token, no invented detail), each panel
-normalised to its own maximum; the panel's title gives the probability mass the row puts on that
-medium, so a bright but tiny map is not mistaken for strong attention. Green boxes: the object the
-word names; cyan square: the argmax token (the pointing-game guess).
+Frames and heatmaps are nearest-upsampled (the pixels the model saw and one square per merged
+visual token: no invented detail). A map is drawn in a perceptual colour map (inferno), each panel
+normalised to its own maximum, over the frame with an opacity that grows with the value, so tokens
+the row ignores leave the picture visible instead of darkening it. The panel's title gives the
+probability mass the row puts on that medium, so a bright but tiny map is not mistaken for strong
+attention. Green boxes, labelled: the object the word names (the target; every object in the
+"what the model saw" strip); cyan square: the argmax token (the pointing-game guess).
+
+A box is [x0, y0, x1, y1] in original pixels, or (box, label).
 
 Legend: t/h/w merged token grid, H/W pixels, L layers, G selection heads, Q/N query/key blocks.
 """
@@ -18,9 +23,9 @@ from PIL import Image, ImageDraw, ImageFont
 from .inputs import MediumInfo
 from .metrics import cell_rects
 
-PANEL = 144  # px of a panel's longer side
-TITLE = 14  # px of a panel's title strip
-ALPHA = 0.55  # heatmap opacity
+PANEL = 224  # px of a panel's longer side
+TITLE = 16  # px of a panel's title strip
+ALPHA = (0.12, 0.8)  # heatmap opacity at the panel's zero and at its maximum
 BOX = (60, 230, 90)
 ARGMAX = (40, 220, 255)
 
@@ -31,8 +36,44 @@ def _lut(name: str = "inferno") -> np.ndarray:
     return (matplotlib.colormaps[name](np.linspace(0, 1, 256))[:, :3] * 255).astype(np.uint8)
 
 
-def _font():
-    return ImageFont.load_default()
+def _font(size: int = 11):
+    """DejaVu Sans, which matplotlib ships (the same on every machine), else Pillow's bitmap font."""
+    from matplotlib import font_manager
+
+    try:
+        return ImageFont.truetype(font_manager.findfont("DejaVu Sans", fallback_to_default=True), size)
+    except (ImportError, OSError):  # Pillow without FreeType
+        return ImageFont.load_default()
+
+
+def object_label(obj) -> str:
+    """'small red circle' from a key.json object's attributes (or its --boxes word)."""
+    keys = ("size", "color", "shape", "label")
+    return " ".join(obj.attrs[k] for k in keys if obj.attrs.get(k)) or "object"
+
+
+def overlay(pic: Image.Image, map_hw: np.ndarray, lut: np.ndarray) -> Image.Image:
+    """The map, nearest-upsampled to the picture, coloured by `lut`, over it with value-scaled opacity."""
+    top = float(map_hw.max())
+    norm_hw = map_hw / top if top > 0 else np.zeros_like(map_hw)
+    heat = Image.fromarray(lut[np.clip((norm_hw * 255).astype(int), 0, 255)]).resize(pic.size, Image.NEAREST)
+    alpha_hw = (255 * (ALPHA[0] + (ALPHA[1] - ALPHA[0]) * np.clip(norm_hw, 0, 1))).astype(np.uint8)
+    return Image.composite(heat, pic, Image.fromarray(alpha_hw).resize(pic.size, Image.NEAREST))
+
+
+def draw_box(d: ImageDraw.ImageDraw, rect: list[float], label: str, width: int, color=BOX) -> None:
+    """An outlined box with its label in a filled tag above it (below it at the top edge), kept inside
+    a picture `width` px wide."""
+    x0, y0, x1, y1 = rect
+    d.rectangle(rect, outline=color, width=2)
+    if not label:
+        return
+    font = _font(10)
+    _, _, tw, th = d.textbbox((0, 0), label, font=font)
+    ty = y0 - th - 3 if y0 >= th + 3 else y1 + 2
+    x0 = max(0, min(x0, width - tw - 4))
+    d.rectangle([x0, ty, x0 + tw + 3, ty + th + 2], fill=color)
+    d.text((x0 + 2, ty), label, fill="black", font=font)
 
 
 def display_size(medium: MediumInfo) -> tuple[int, int]:
@@ -48,23 +89,20 @@ def heat_panel(frame_HW3: np.ndarray, map_hw: np.ndarray | None, medium: MediumI
     """One frame with a map over it (None: the bare frame), boxes ([x0, y0, x1, y1] original px) and
     the argmax token."""
     w, h = display_size(medium)
-    pic = Image.fromarray(frame_HW3).convert("RGB").resize((w, h), Image.BILINEAR)
+    pic = Image.fromarray(frame_HW3).convert("RGB").resize((w, h), Image.NEAREST)
     if map_hw is not None:
-        lut = _lut() if lut is None else lut
-        top = float(map_hw.max())
-        norm = (map_hw / top) if top > 0 else np.zeros_like(map_hw)
-        heat = Image.fromarray(lut[np.clip((norm * 255).astype(int), 0, 255)]).resize((w, h), Image.NEAREST)
-        pic = Image.blend(pic, heat, ALPHA)
+        pic = overlay(pic, map_hw, _lut() if lut is None else lut)
     d = ImageDraw.Draw(pic)
     sx, sy = w / medium.orig_hw[1], h / medium.orig_hw[0]
-    for x0, y0, x1, y1 in boxes or []:
-        d.rectangle([x0 * sx, y0 * sy, x1 * sx - 1, y1 * sy - 1], outline=BOX, width=2)
+    scaled = lambda r: [r[0] * sx, r[1] * sy, r[2] * sx - 1, r[3] * sy - 1]  # noqa: E731
     if argmax is not None:
-        x0, y0, x1, y1 = cell_rects(medium)[argmax]
-        d.rectangle([x0 * sx, y0 * sy, x1 * sx - 1, y1 * sy - 1], outline=ARGMAX, width=1)
+        d.rectangle(scaled(cell_rects(medium)[argmax]), outline=ARGMAX, width=2)
+    for item in boxes or []:
+        rect, label = item if len(item) == 2 else (item, "")
+        draw_box(d, scaled(rect), label, w)
     out = Image.new("RGB", (w, h + TITLE), "white")
     out.paste(pic, (0, TITLE))
-    ImageDraw.Draw(out).text((2, 1), title, fill="black", font=_font())
+    ImageDraw.Draw(out).text((2, 2), title, fill="black", font=_font())
     return out
 
 
@@ -154,7 +192,7 @@ def medium_strip(medium: MediumInfo, title: str) -> Image.Image:
     panels = []
     for s in range(medium.grid_thw[0]):
         f = medium.slice_frames[s][0]
-        boxes = [o.boxes[medium.box_frame(f, len(o.boxes))] for o in medium.objects]
+        boxes = [(o.boxes[medium.box_frame(f, len(o.boxes))], object_label(o)) for o in medium.objects]
         panels.append(heat_panel(medium.frames_THW3[f], None, medium, f"slice {s}" if medium.grid_thw[0] > 1
                                  else f"{medium.grid_thw[1]}x{medium.grid_thw[2]} tokens", boxes))
     return compose([panels], [""], title)
@@ -225,7 +263,7 @@ def pointing_chart(summary: dict, layers: list[int], path: Path,
     plt = _pyplot()
     cats = [c for c in categories if c in summary] or [c for c in summary if "/" not in c]
     keys = [str(l) for l in layers]
-    fig, ax = plt.subplots(figsize=(1.5 + 1.3 * len(cats), 3.2), dpi=110)
+    fig, ax = plt.subplots(figsize=(max(3.8, 1.5 + 1.3 * len(cats)), 3.2), dpi=110)
     width = 0.8 / (len(keys) + 1)
     for i, k in enumerate([*keys, "mean"]):
         vals = [summary[c]["accuracy"][k] if k != "mean" else summary[c]["accuracy_mean_layers"]
@@ -238,7 +276,7 @@ def pointing_chart(summary: dict, layers: list[int], path: Path,
     ax.set_xticks(np.arange(len(cats)) + width * len(keys) / 2, [f"{c}\n(n={summary[c]['n']})" for c in cats])
     ax.set_ylim(0, 1)
     ax.set_ylabel("pointing accuracy")
-    ax.set_title("pointing game (dashed: random-token chance, dotted: box share)", fontsize=8)
+    ax.set_title("pointing game\n(dashed: random-token chance, dotted: box share)", fontsize=8)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path)

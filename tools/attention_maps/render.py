@@ -73,7 +73,8 @@ def render_document(att: DocAttention, out: Path, heads: str | list[int] = "mean
         title = f"'{doc.token_strs[pos]}' (token {pos}, {query} row) -> {medium.kind_name} {k + 1}"
         base = out / f"{stem}_t{pos:04d}_{slug(doc.token_strs[pos])}"
         if medium.kind_name == "image":
-            boxes = [medium.objects[obj].boxes[0]] if obj is not None else None
+            o = medium.objects[obj] if obj is not None else None
+            boxes = [(o.boxes[0], "target: " + plots.object_label(o))] if o is not None else None
             pic = plots.image_token_picture(maps, medium, heads, title, kinds, boxes)
             pic.save(base.with_suffix(".png"))
             files = [base.with_suffix(".png")]
@@ -81,7 +82,8 @@ def render_document(att: DocAttention, out: Path, heads: str | list[int] = "mean
             per_slice = None
             if obj is not None:
                 o = medium.objects[obj]
-                per_slice = [[o.boxes[medium.box_frame(f, len(o.boxes))] for f in fr[:1]]
+                label = "target: " + plots.object_label(o)
+                per_slice = [[(o.boxes[medium.box_frame(f, len(o.boxes))], label) for f in fr[:1]]
                              for fr in medium.slice_frames]
             strip, gif = plots.video_token_pictures(maps, medium, heads, title, kinds, per_slice)
             strip.save(base.with_suffix(".png"))
