@@ -14,6 +14,7 @@ from .dense import attend_dense
 from .flex import attend_flex
 from .gather import attend_gather_full, attend_gather_sparse
 from .meta import AttnMeta
+from .sdpa import attend_sdpa_full
 from .select import select_blocks
 
 Tensor = torch.Tensor
@@ -36,9 +37,11 @@ def resolve_backend(cfg: AttentionConfig, q_BHSD: Tensor, meta: AttnMeta, sparse
     """The backend that will run: cfg.backend, with auto resolved and flash falling back when unusable.
 
     auto: sparse -> flex on CUDA, gather elsewhere; full -> flash if usable, else flex on CUDA,
-    else gather (the exact block-chunked path; SDPA-with-mask on CPU would materialise S x S).
+    else sdpa (fused SDPA per document, sdpa.py). sdpa on a sparse layer -> gather.
     """
     backend = cfg.backend
+    if backend == "sdpa" or (backend == "auto" and not q_BHSD.is_cuda):
+        return "gather" if sparse else "sdpa"
     if backend == "auto" and not sparse and q_BHSD.is_cuda and flash.usable(q_BHSD, meta, sparse):
         return "flash"
     if backend == "flash" and flash.usable(q_BHSD, meta, sparse):
@@ -67,15 +70,20 @@ def attend(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: 
     if stats is not None:
         stats.update(sparse_counts(meta, cfg, sel) if sparse else full_counts(meta))
     backend = resolve_backend(cfg, q_BHSD, meta, sparse)
-    if backend == "gather":
-        if sparse:
-            out = attend_gather_sparse(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
-        else:
-            out = attend_gather_full(q_BHSD, k_BKSD, v_BKSD, meta, cfg)
-    elif backend == "flex":
-        out = attend_flex(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
-    elif backend == "flash":
-        out = flash.attend_flash(q_BHSD, k_BKSD, v_BKSD, meta)
-    else:
-        out = attend_dense(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel, eager=cfg.dense_impl == "eager")
+    out = attend_sdpa_full(q_BHSD, k_BKSD, v_BKSD, meta, cfg.sdpa_group) if backend == "sdpa" else None
+    if out is None:
+        out = _run(backend, q_BHSD, k_BKSD, v_BKSD, meta, cfg, sparse, sel)
     return out.to(q_BHSD.dtype)
+
+
+def _run(backend: str, q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+         sparse: bool, sel) -> Tensor:
+    if backend in ("gather", "sdpa"):  # sdpa here: documents that are not contiguous runs
+        if sparse:
+            return attend_gather_sparse(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
+        return attend_gather_full(q_BHSD, k_BKSD, v_BKSD, meta, cfg)
+    if backend == "flex":
+        return attend_flex(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
+    if backend == "flash":
+        return flash.attend_flash(q_BHSD, k_BKSD, v_BKSD, meta)
+    return attend_dense(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel, eager=cfg.dense_impl == "eager")

@@ -33,6 +33,7 @@ class AttentionConfig:
     gather_chunk: int = 32  # query blocks per gather chunk (bounds the transient memory)
     gather_checkpoint: bool = True  # recompute each chunk in backward: O(S*D) saved, not O(S*k*B)
     full_tile: int = 64  # query tokens per tile of a full layer's gather path (it has no blocks)
+    sdpa_group: int = 256  # sdpa: documents up to this long are grouped into masked calls (sdpa.py)
 
     def __post_init__(self) -> None:
         check(self, "backend", choices=BACKENDS)

@@ -24,7 +24,7 @@ from mmtrain.models.attention import AttentionConfig, attend, build_meta, select
 from mmtrain.models.attention.flex import attend_flex
 from mmtrain.models.attention.testing import pack_row, random_doc_spans
 
-BACKENDS = ("dense", "gather", "flex")  # flex: the eager (uncompiled) forward on CPU
+BACKENDS = ("dense", "gather", "flex", "sdpa")  # flex: the eager (uncompiled) forward on CPU
 TOL = 1e-5
 
 
@@ -49,7 +49,9 @@ def run(backend: str, q, k, v, doc_BS, span_BS, cfg: AttentionConfig, sparse: bo
         if backend == "flex":
             sel = select_blocks(q, k, meta, cfg) if sparse else None
             return attend_flex(q, k, v, meta, cfg, sel, compiled=False)
-        return attend(q, k, v, meta, dataclasses.replace(cfg, backend=backend), sparse)
+        # sdpa: small random groups, so causal segments, span patches and masked groups all occur
+        group = random.choice([0, 4, 16, 64])
+        return attend(q, k, v, meta, dataclasses.replace(cfg, backend=backend, sdpa_group=group), sparse)
 
 
 def span_end(doc_S: torch.Tensor, span_S: torch.Tensor) -> torch.Tensor:

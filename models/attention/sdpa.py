@@ -1,0 +1,233 @@
+"""The `sdpa` backend: full layers as PyTorch's fused `scaled_dot_product_attention` per document.
+
+A row is cut into segments along document runs (host-side plan, once per forward, cached in
+`meta.cache`):
+  * a long document is one segment run with `is_causal=True` (the fused kernel skips the blocks
+    above the diagonal); a document that is one visual span from start to end (a medium in the
+    vision encoder) runs without causality and without a mask;
+  * consecutive short documents are grouped into one segment of at most `group` tokens with the
+    token rule as an explicit mask (block-diagonal causal): fewer, larger calls;
+  * the query rows of the visual spans of a causal segment (bidirectional inside, per the token
+    rule) are recomputed with the token-rule mask over the keys from their document's start to
+    the span's end, and replace the causal rows (adjacent spans merged into one such patch).
+Every call is exact, so this computes the same function as `dense`; gradients flow through
+SDPA's own backward (the replaced rows of the causal call get no gradient, as they should).
+Documents that are not contiguous runs of their row fall back to the caller (`plan` -> None).
+
+Under torch.compile the eager body runs inside an opaque custom op (the plan is data dependent:
+no graph break, no recompilation per batch); its backward is a second opaque op that replays the
+plan with aten's CPU flash forward (for the log-sum-exp: one extra attention forward) and backward.
+
+Legend: B batch, H query heads, K kv heads, S tokens, D head dim, N segments / patches of a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .meta import token_mask
+
+Tensor = torch.Tensor
+PATCH_GAP = 64  # spans closer than this are recomputed in one patch
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int
+    end: int
+    kind: str  # "causal", "full" (one span from start to end), "mask" (grouped documents)
+    patches: tuple[tuple[int, int, int], ...] = ()  # (query start, query end, key start)
+
+
+def _runs(x_S: Tensor) -> list[int]:
+    """Start positions of the runs of equal values of x (host)."""
+    start_S = F.pad(x_S[1:] != x_S[:-1], (1, 0), value=True)
+    return start_S.nonzero().flatten().tolist()
+
+
+def plan_row(doc_S: Tensor, skey_S: Tensor, span_last_S: Tensor, group: int) -> list[Segment] | None:
+    """Segments covering one row in order, or None if a document is not one contiguous run."""
+    S = doc_S.shape[0]
+    starts = _runs(doc_S)
+    ids = doc_S[starts].tolist()
+    if len(set(ids)) != len(ids):
+        return None
+    bounds = list(zip(starts, starts[1:] + [S]))
+    vis_S = skey_S >= 0
+    span_starts = (vis_S & F.pad(skey_S[1:] != skey_S[:-1], (1, 0), value=True)).nonzero().flatten()
+    spans = list(zip(span_starts.tolist(), (span_last_S[span_starts] + 1).tolist()))
+    segs: list[Segment] = []
+    si = 0  # next span
+    g0 = None  # start of the open group of short documents
+    for s, e in bounds:
+        doc_spans = []
+        while si < len(spans) and spans[si][0] < e:
+            doc_spans.append(spans[si])
+            si += 1
+        if e - s <= group:
+            if g0 is not None and e - g0 > group:
+                segs.append(Segment(g0, s, "mask"))
+                g0 = None
+            g0 = s if g0 is None else g0
+            continue
+        if g0 is not None:
+            segs.append(Segment(g0, s, "mask"))
+            g0 = None
+        if doc_spans == [(s, e)]:
+            segs.append(Segment(s, e, "full"))
+            continue
+        patches: list[list[int]] = []
+        for a, b in doc_spans:
+            if patches and a - patches[-1][1] < PATCH_GAP:
+                patches[-1][1] = max(patches[-1][1], b)
+            else:
+                patches.append([a, b])
+        segs.append(Segment(s, e, "causal", tuple((a, b, s) for a, b in patches)))
+    if g0 is not None:
+        segs.append(Segment(g0, S, "mask"))
+    return segs
+
+
+def plan(doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor, group: int) -> list[list[Segment]] | None:
+    rows = [plan_row(doc_BS[b], skey_BS[b], span_last_BS[b], group) for b in range(doc_BS.shape[0])]
+    return None if any(r is None for r in rows) else rows
+
+
+def _mask(doc_S: Tensor, skey_S: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+    """The token rule for queries [qs, qe) against keys [ks, ke)."""
+    pos_q, pos_k = torch.arange(qs, qe, device=doc_S.device), torch.arange(ks, ke, device=doc_S.device)
+    return token_mask(doc_S[qs:qe, None], skey_S[qs:qe, None], pos_q[:, None], doc_S[None, ks:ke],
+                      skey_S[None, ks:ke], pos_k[None])
+
+
+def _masked(q_1HSD: Tensor, k_1KSD: Tensor, v_1KSD: Tensor, doc_S: Tensor, skey_S: Tensor, qs: int, qe: int,
+            ks: int, ke: int, gqa: bool) -> Tensor:
+    """Queries [qs, qe) over keys [ks, ke) with the token rule as the mask."""
+    mask = _mask(doc_S, skey_S, qs, qe, ks, ke)
+    return F.scaled_dot_product_attention(q_1HSD[:, :, qs:qe], k_1KSD[:, :, ks:ke], v_1KSD[:, :, ks:ke],
+                                          attn_mask=mask, enable_gqa=gqa)
+
+
+def _row(q_1HSD: Tensor, k_1KSD: Tensor, v_1KSD: Tensor, doc_S: Tensor, skey_S: Tensor, segs: list[Segment],
+         gqa: bool) -> Tensor:
+    """One row (kept 4-D: CPU SDPA runs its fused kernel only on 4-D inputs, else the math path)."""
+    pieces = []
+    for seg in segs:
+        s, e = seg.start, seg.end
+        if seg.kind == "mask":
+            pieces.append(_masked(q_1HSD, k_1KSD, v_1KSD, doc_S, skey_S, s, e, s, e, gqa))
+            continue
+        o_1HSD = F.scaled_dot_product_attention(q_1HSD[:, :, s:e], k_1KSD[:, :, s:e], v_1KSD[:, :, s:e],
+                                                is_causal=seg.kind == "causal", enable_gqa=gqa)
+        at = s
+        for a, b, ks in seg.patches:
+            pieces.append(o_1HSD[:, :, at - s:a - s])
+            pieces.append(_masked(q_1HSD, k_1KSD, v_1KSD, doc_S, skey_S, a, b, ks, b, gqa))
+            at = b
+        pieces.append(o_1HSD[:, :, at - s:])
+    return torch.cat(pieces, 2) if len(pieces) > 1 else pieces[0]
+
+
+def attend_rows(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, doc_BS: Tensor, skey_BS: Tensor,
+                rows: list[list[Segment]]) -> Tensor:
+    """The eager body: every row by its plan (SDPA's default scale 1 / sqrt(D))."""
+    gqa = q_BHSD.shape[1] != k_BKSD.shape[1]
+    outs = [_row(q_BHSD[b:b + 1], k_BKSD[b:b + 1], v_BKSD[b:b + 1], doc_BS[b], skey_BS[b], rows[b], gqa)
+            for b in range(q_BHSD.shape[0])]
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+@torch.library.custom_op("mmtrain::sdpa_full", mutates_args=())
+def sdpa_full_op(q: Tensor, k: Tensor, v: Tensor, doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor,
+                 group: int) -> Tensor:
+    return attend_rows(q, k, v, doc_BS, skey_BS, _rows_or_masked(doc_BS, skey_BS, span_last_BS, group))
+
+
+@sdpa_full_op.register_fake
+def _(q, k, v, doc_BS, skey_BS, span_last_BS, group):
+    return torch.empty_like(q)
+
+
+def _rows_or_masked(doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor, group: int) -> list[list[Segment]]:
+    """The plan; a row whose documents are not contiguous runs is one masked segment."""
+    S = doc_BS.shape[1]
+    return [plan_row(doc_BS[b], skey_BS[b], span_last_BS[b], group) or [Segment(0, S, "mask")]
+            for b in range(doc_BS.shape[0])]
+
+
+def _call_backward(grads, grad_1HSD, q, k, v, b, qs, qe, ks, ke, mask, causal) -> None:
+    """Recompute one fused call (aten's CPU flash ops, GQA native) and accumulate its gradients."""
+    dq, dk, dv = grads
+    qi, ki, vi = (t[b:b + 1, :, lo:hi].contiguous() for t, lo, hi in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
+    bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+        ~mask, float("-inf"))
+    aten = torch.ops.aten
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(qi, ki, vi, 0.0, causal, attn_mask=bias)
+    gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_1HSD.contiguous(), qi, ki, vi, out, lse, 0.0, causal, attn_mask=bias)
+    dq[b:b + 1, :, qs:qe] += gq
+    dk[b:b + 1, :, ks:ke] += gk
+    dv[b:b + 1, :, ks:ke] += gv
+
+
+def _backward_rows(grad, q, k, v, doc_BS, skey_BS, rows) -> tuple[Tensor, Tensor, Tensor]:
+    grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+    for b, segs in enumerate(rows):
+        doc_S, skey_S = doc_BS[b], skey_BS[b]
+        for seg in segs:
+            s, e = seg.start, seg.end
+            g = grad[b:b + 1, :, s:e]
+            if seg.kind == "mask":
+                mask = _mask(doc_S, skey_S, s, e, s, e)
+                _call_backward(grads, g, q, k, v, b, s, e, s, e, mask, False)
+                continue
+            if seg.patches:  # the patched rows' output came from the patch calls
+                g = g.clone()
+                for a, z, _ in seg.patches:
+                    g[:, :, a - s:z - s] = 0
+            _call_backward(grads, g, q, k, v, b, s, e, s, e, None, seg.kind == "causal")
+            for a, z, ks in seg.patches:
+                mask = _mask(doc_S, skey_S, a, z, ks, z)
+                _call_backward(grads, grad[b:b + 1, :, a:z], q, k, v, b, a, z, ks, z, mask, False)
+    return grads
+
+
+@torch.library.custom_op("mmtrain::sdpa_full_backward", mutates_args=())
+def sdpa_full_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, doc_BS: Tensor, skey_BS: Tensor,
+                          span_last_BS: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
+    rows = _rows_or_masked(doc_BS, skey_BS, span_last_BS, group)
+    return _backward_rows(grad, q, k, v, doc_BS, skey_BS, rows)
+
+
+@sdpa_full_backward_op.register_fake
+def _(grad, q, k, v, doc_BS, skey_BS, span_last_BS, group):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:6])
+    ctx.group = inputs[6]
+
+
+def _backward(ctx, grad):
+    dq, dk, dv = sdpa_full_backward_op(grad.contiguous(), *ctx.saved_tensors, ctx.group)
+    return dq, dk, dv, None, None, None, None
+
+
+sdpa_full_op.register_autograd(_backward, setup_context=_setup)
+
+
+def attend_sdpa_full(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta, group: int) -> Tensor | None:
+    """A full layer by fused SDPA calls, or None when a document is not one contiguous run."""
+    if torch.compiler.is_compiling():
+        return sdpa_full_op(q_BHSD, k_BKSD, v_BKSD, meta.doc_BS, meta.skey_BS, meta.span_last_BS, group)
+    key = ("sdpa_plan", group)
+    if key not in meta.cache:
+        meta.cache[key] = plan(meta.doc_BS, meta.skey_BS, meta.span_last_BS, group)
+    rows = meta.cache[key]
+    if rows is None:
+        return None
+    return attend_rows(q_BHSD, k_BKSD, v_BKSD, meta.doc_BS, meta.skey_BS, rows)
