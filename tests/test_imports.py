@@ -2,9 +2,10 @@
 `models/` and `data_pipelines/` import neither the trainer side nor each other.
 
 Static, with `ast`: every `import` in a file counts, at module level or inside a function (a
-function-level import only hides a cycle until the function runs). Folders are named as installed
-(`models/` is `mmtrain.models`, ...); an import of a name from a package counts as an import of
-that package's `__init__` unless the name is a submodule.
+function-level import only hides a cycle until the function runs); imports under `if TYPE_CHECKING:`
+never run and do not count. Folders are named as installed (`models/` is `mmtrain.models`, ...); an
+import of a name from a package counts as an import of that package's `__init__` unless the name is
+a submodule.
 """
 
 from __future__ import annotations
@@ -47,10 +48,22 @@ def _resolve(node: ast.ImportFrom, module: str, is_pkg: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the nodes under `if TYPE_CHECKING:` (never executed: annotations only)."""
+    blocks = [n for n in ast.walk(tree) if isinstance(n, ast.If)
+              and getattr(n.test, "id", getattr(n.test, "attr", None)) == "TYPE_CHECKING"]
+    return {id(sub) for b in blocks for stmt in b.body for sub in ast.walk(stmt)}
+
+
 def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
-    """The project modules `module` imports (anywhere in the file)."""
+    """The project modules `module` imports when it runs (anywhere in the file, not under
+    `if TYPE_CHECKING:`)."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -123,6 +136,13 @@ def test_the_graph_sees_the_project():
 def test_cycle_finder_finds_a_planted_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_type_checking_imports_do_not_count(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
+                 "def f():\n    import b\n")
+    assert imports_of("m", f, {"a", "b"}) == {"b"}
 
 
 def test_no_import_cycles():
