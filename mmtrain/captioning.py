@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmtrain.callbacks import Callback
 from mmtrain.caption_config import CaptionEvalConfig as CaptionEvalConfig  # re-exported
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS, decode_json
@@ -37,6 +38,7 @@ from mmtrain.prompts import Prompt, iter_val_samples, sample_prompt
 if TYPE_CHECKING:
     from mmtrain.distributed import DistEnv
     from mmtrain.loading import Loaded
+    from mmtrain.trainer import Trainer
 
 # key.json field -> reported name
 ATTRIBUTES = {"color": "colour", "shape": "shape", "size": "size", "position": "place", "motion": "motion"}
@@ -171,38 +173,44 @@ def run_captioning(m: Loaded, cs: CaptionSet, cfg: CaptionEvalConfig, step: int,
                          {a: int(n[j]) for a, j in keep.items()}, len(cs.prompts), examples)
 
 
-class CaptionEval:
-    """The trainer's hook: builds the fixed set at its first call, captions in eval mode (module modes
-    restored after; greedy decoding draws no random numbers), logs, and returns {"captions": ...} for
-    the eval record, or {} when off or skipped."""
+class CaptionEval(Callback):
+    """The trainer's callback, at every evaluation: builds the fixed set at its first call, captions in
+    eval mode (module modes restored after; greedy decoding draws no random numbers), logs, and adds
+    `captions` to the eval record (nothing when off or skipped)."""
+
+    name = "captions"
 
     def __init__(self, cfg: CaptionEvalConfig, data: DataConfig) -> None:
         self.cfg, self.data = cfg, data
         self.set: CaptionSet | None = None
 
-    def __call__(self, raw_model, run_cfg, tokenizer, device, step: int, env, autocast, log) -> dict:
+    def on_eval(self, trainer: Trainer, record: dict) -> None:
         if not (self.cfg.images or self.cfg.videos):
-            return {}
+            return
+        log, step = trainer.log, trainer.step
         if self.set is None:
             self.set = build_caption_set(self.data, self.cfg)
             if self.set.note:
                 log.info(self.set.note)
         if self.set.note:
-            return {}
-        from mmtrain.loading import Loaded, local_replica
-
-        model = local_replica(raw_model, device)
-        modes = [(mod, mod.training) for mod in model.modules()]
-        model.eval()
-        try:
-            m = Loaded(None, run_cfg, model, tokenizer, device)
-            res = run_captioning(m, self.set, self.cfg, step, env, autocast)
-        finally:
-            for mod, mode in modes:
-                mod.training = mode
+            return
+        res = self._caption(trainer)
         log.scalars(step, res.scalars())
         log.record({"step": step, "eval": "captions", **res.to_dict()})
         log.info(f"captions @ {step}: {res.line()}")
         for ex in res.examples:
             log.info(f"  {ex['name']}: {ex['caption']!r} (reference {ex['reference']!r})")
-        return {"captions": res.to_dict()}
+        record["captions"] = res.to_dict()
+
+    def _caption(self, trainer: Trainer) -> CaptionResult:
+        from mmtrain.loading import Loaded, local_replica
+
+        model = local_replica(trainer.raw_model, trainer.device)
+        modes = [(mod, mod.training) for mod in model.modules()]
+        model.eval()
+        try:
+            m = Loaded(None, trainer.cfg, model, trainer.tokenizer, trainer.device)
+            return run_captioning(m, self.set, self.cfg, trainer.step, trainer.env, trainer.autocast)
+        finally:
+            for mod, mode in modes:
+                mod.training = mode

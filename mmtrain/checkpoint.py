@@ -4,17 +4,20 @@ Layout of `RUN/step_<N>/` (see docs/DISTRIBUTED.md):
 
     dcp/            torch.distributed.checkpoint: model + optimizer, each rank its shards;
                     loads at any world size (resharding)
-    state.pt        rank 0: step and token counters, scheduler, balancer, eval history, config
-    rank_<r>.pt     rank r: its data-loader state (with its corrupt-sample ledger), its RNG states
+    state.pt        rank 0: the replicated parts (train counters and eval history, scheduler,
+                    balancer, stateful callbacks), world size, config
+    rank_<r>.pt     rank r: its per-rank parts (data-loader state with its corrupt-sample
+                    ledger, RNG states)
     config.yaml     the resolved run config
     tokenizer.json  a copy, so a checkpoint is usable without the corpus
     manifest.json   size and SHA-256 of every file above, written last (mmtrain/manifest.py)
 
-Every rank writes into the hidden `RUN/.step_<N>.tmp/`; after a barrier rank 0 renames it to
-`step_<N>` (a re-save of the same step swaps through `.step_<N>.old`). A crash at any point
-leaves the previous checkpoint as the newest complete one; resume takes the newest one that
-verifies against its manifest (`newest_valid`). Only the last K are kept. Every `torch.load`
-is `weights_only=True`: the files hold tensors and plain Python data only.
+What the parts are and how they load is mmtrain/train_state.py's business; this module writes
+and reads the files. Every rank writes into the hidden `RUN/.step_<N>.tmp/`; after a barrier
+rank 0 renames it to `step_<N>` (a re-save of the same step swaps through `.step_<N>.old`). A
+crash at any point leaves the previous checkpoint as the newest complete one; resume takes the
+newest one that verifies against its manifest (`newest_valid`). Only the last K are kept. Every
+`torch.load` is `weights_only=True`: the files hold tensors and plain Python data only.
 
 An export (`mmtrain export`) holds `model.safetensors` + `config.yaml` + `tokenizer.json`;
 `load_for_inference` reads both kinds (and the single-file `state.pt` checkpoints of before).
@@ -178,7 +181,7 @@ def quiet_single_process():
 
 
 def load_state(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """state.pt of a checkpoint: counters, scheduler, balancer, evals, config (and, in the
+    """state.pt of a checkpoint: the replicated parts by name, world size and config (and, in the
     single-file checkpoints of before, everything)."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path

@@ -1,104 +1,229 @@
-"""What a checkpoint holds of a Trainer, and how it comes back (at the same or another world size).
+"""A checkpoint is a dict of named Stateful parts; this module names them and says where each lives.
 
-Model and optimizer go through `torch.distributed.checkpoint.state_dict.get_state_dict` /
-`set_state_dict` (fully-qualified names, sharded DTensors under FSDP2), so DCP reshards them on
-load. Everything replicated (counters, scheduler, balancer, eval history) is rank 0's state.pt;
-what differs per rank (data-loader position with its corrupt-sample ledger, RNG states) is one
-small file per rank.
+Every part has `state_dict()` / `load_state_dict()` (torch's `Stateful` protocol, as in
+torchtitan's CheckpointManager); saving and loading iterate the parts and never reach into the
+trainer. The trainer lists its parts in `Trainer.parts()`; there are three kinds:
 
-At another world size the data position cannot be resumed exactly (each rank reads another
-share of the shards): every source restarts at its next epoch past what any rank had read, and
-rank 0 inherits the union of the ledgers. The trainer says so in its log.
+    sharded     model, optim            through torch.distributed.checkpoint (DCP):
+                                        get/set_{model,optimizer}_state_dict give fully-qualified
+                                        names and FSDP2's DTensor shards, so DCP reshards on load
+    replicated  train, scheduler,       the same on every rank: rank 0 writes them to state.pt
+                balancer, callback.<n>  (a mixture controller would be one more, by name)
+    per_rank    data, rng               rank_<r>.pt: the loader's position with its corrupt-sample
+                                        ledger, and the RNG states differ per rank
+
+Load order: sharded, then replicated (in the trainer's order), then per-rank. The order matters
+once: the curriculum (`callback.curriculum`, replicated) rebuilds the train loader of its stage
+before the loader's position is loaded into it, so the `data` part looks the loader up at call
+time (`LoaderPart`).
+
+On disk (FORMAT 3) state.pt is `{"format", "world_size", "config", <replicated part>: state, ...}`
+and rank_<r>.pt is `{"rank", <per-rank part>: state, ...}`: one top-level key per part, readable
+with `torch.load(..., weights_only=True)`. A checkpoint lacking a `callback.*` part (the callback is
+new) leaves that callback as built; lacking any other part is an error. Parts nobody claims (a
+callback since removed) are ignored. Both are named in the resume note. Format 2 (the counters,
+eval and diagnostics history flat in state.pt) is converted on read; format 1 (everything in
+state.pt) loads in one process.
+
+At another world size the data position cannot be resumed exactly (each rank reads another share
+of the shards): every source restarts at its next epoch past what any rank had read, and rank 0
+inherits the union of the ledgers (`LoaderPart.load_resharded`); a rank that had no saved RNG
+state keeps its own. Per-rank parts without `load_resharded` take their own rank's saved state.
 """
 
 from __future__ import annotations
 
 import random
 import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
-from mmtrain.checkpoint import DCP_DIR, check_dcp_metadata, load_rank_state, load_state, quiet_single_process
-from mmtrain.config import to_dict
+from mmtrain.checkpoint import (
+    DCP_DIR,
+    Checkpointer,
+    check_dcp_metadata,
+    load_rank_state,
+    load_state,
+    quiet_single_process,
+)
+from mmtrain.curriculum import stage_at
+from mmtrain.distributed import DistEnv
 from mmtrain.errors import UserError
 
-FORMAT = 2  # 1: everything in one torch.save'd state.pt (read for resume in one process)
+FORMAT = 3  # 2: train counters and histories flat in state.pt; 1: everything in one state.pt
+SHARED_META = ("format", "world_size", "config")  # state.pt keys that are not parts
+RANK_META = ("rank",)
+OPTIONAL_PREFIX = "callback."  # parts that come and go with the user's code
 
 
-def model_optim_state(trainer) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+@dataclass
+class TrainState:
+    """The loop's own counters and its eval history (a replicated part, `train`)."""
 
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+    step: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    evals: list[dict] = field(default_factory=list)  # {"step": N, ...EvalResult.to_dict()}
 
+    def state_dict(self) -> dict:
+        return asdict(self)
 
-def shared_state(trainer) -> dict:
-    return {
-        "format": FORMAT,
-        "scheduler": trainer.scheduler.state_dict(),
-        "balancer": trainer.balancer.state_dict(),
-        "step": trainer.step,
-        "tokens_seen": trainer.tokens_seen,
-        "skipped_steps": trainer.skipped_steps,
-        "consecutive_skips": trainer.consecutive_skips,
-        "evals": trainer.evals,
-        "diagnostics": trainer.diagnostics,
-        "world_size": trainer.env.world_size,
-        "config": to_dict(trainer.cfg),
-    }
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            setattr(self, f.name, state[f.name])
+        self.evals = list(self.evals)
 
 
-def rank_state(trainer) -> dict:
-    return {"rank": trainer.env.rank, "data": trainer.train_loader.state_dict(), "rng": rng_state()}
+class ModelPart:
+    """The model's fully-qualified, possibly sharded state (DCP key `model`)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, state)
 
 
-def load_training_state(trainer, path: Path) -> str | None:
-    """Restore `trainer` from the checkpoint at `path`; returns a note for the log or None."""
+class OptimizerPart:
+    """The optimizer's state keyed by parameter name, not id (DCP key `optim`), so it reshards too."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class LoaderPart:
+    """The train loader's position and ledger (per rank). The loader is looked up at each call:
+    the curriculum replaces it at stage boundaries and while loading."""
+
+    def __init__(self, get_loader: Callable[[], Any]):
+        self.get_loader = get_loader
+
+    def state_dict(self) -> dict:
+        return self.get_loader().state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.get_loader().load_state_dict(state)
+
+    def load_resharded(self, states: list[dict], rank: int) -> None:
+        with warnings.catch_warnings():  # the resume note says it once, on rank 0
+            warnings.simplefilter("ignore")
+            self.get_loader().load_state_dict(merged_data_state(states, rank))
+
+
+class RNGPart:
+    """Python, NumPy, torch (and CUDA) RNG states of this process (per rank)."""
+
+    def state_dict(self) -> dict:
+        return rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        set_rng_state(state)
+
+
+@dataclass
+class Parts:
+    """A checkpoint's parts by name, grouped by where they are stored (see the module docstring)."""
+
+    sharded: dict[str, Stateful]
+    replicated: dict[str, Stateful]
+    per_rank: dict[str, Stateful]
+
+    def __post_init__(self):
+        clash = (set(self.replicated) & set(SHARED_META)) | (set(self.per_rank) & set(RANK_META))
+        if clash:
+            raise ValueError(f"checkpoint parts may not be named {sorted(clash)}")
+
+
+# ----- save ------------------------------------------------------------------------------------
+def save_checkpoint(checkpointer: Checkpointer, parts: Parts, step: int, config: dict, config_text: str,
+                    files: dict[str, Path], before_commit: Callable[[], None] | None = None) -> Path:
+    """Collective. DCP calls the sharded parts' state_dict itself (they are Stateful)."""
+    env = checkpointer.env
+    shared = {"format": FORMAT, "world_size": env.world_size, "config": config,
+              **{name: part.state_dict() for name, part in parts.replicated.items()}}
+    own = {"rank": env.rank, **{name: part.state_dict() for name, part in parts.per_rank.items()}}
+    return checkpointer.save(step, dict(parts.sharded), shared, own, config_text, files, before_commit)
+
+
+# ----- load ------------------------------------------------------------------------------------
+def load_checkpoint(path: Path, parts: Parts, env: DistEnv) -> str | None:
+    """Restore every part from the checkpoint at `path`; returns a note for the log, or None."""
     shared = load_state(path)
-    if shared.get("format", 1) < FORMAT:
-        return _load_single_file(trainer, shared)
-    _load_model_optim(trainer, path)
-    trainer.scheduler.load_state_dict(shared["scheduler"])
-    trainer.balancer.load_state_dict(shared["balancer"])
-    trainer.step = shared["step"]
-    trainer.tokens_seen = shared["tokens_seen"]
-    trainer.skipped_steps = shared["skipped_steps"]
-    trainer.consecutive_skips = shared["consecutive_skips"]
-    trainer.evals = list(shared["evals"])
-    trainer.diagnostics = list(shared.get("diagnostics", []))
-    trainer.enter_stage(trainer.stage_at(trainer.step))  # the data state below is that stage's loader's
-    env, saved_world = trainer.env, shared["world_size"]
+    fmt = shared.get("format", 1)
+    if fmt > FORMAT:
+        raise UserError(f"{path}: checkpoint format {fmt} is newer than this code reads ({FORMAT})")
+    if fmt == 1:
+        return _load_format_1(path, parts, shared, env)
+    shared = from_format_2(shared) if fmt == 2 else shared
+    _load_sharded(path, parts.sharded, env)
+    notes = load_parts(path, parts.replicated, shared, SHARED_META)
+    notes += _load_per_rank(path, parts.per_rank, shared["world_size"], env)
+    return "; ".join(notes) or None
+
+
+def load_parts(path: Path, parts: dict[str, Stateful], saved: dict, meta: tuple[str, ...]) -> list[str]:
+    """Load each part from `saved[name]`, in order; -> notes on optional parts missing and unclaimed ones."""
+    notes = []
+    for name, part in parts.items():
+        if name in saved:
+            part.load_state_dict(saved[name])
+        elif name.startswith(OPTIONAL_PREFIX):
+            notes.append(f"{name} is not in the checkpoint: it starts fresh")
+        else:
+            raise UserError(f"{path}: checkpoint has no part {name!r}")
+    unclaimed = sorted(set(saved) - set(parts) - set(meta))
+    return notes + [f"checkpoint part {name} has no owner in this run: ignored" for name in unclaimed]
+
+
+def _load_sharded(path: Path, parts: dict[str, Stateful], env: DistEnv) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    check_dcp_metadata(path / DCP_DIR)
+    with quiet_single_process():  # DCP loads each Stateful in place, then calls its load_state_dict
+        dcp.load(dict(parts), checkpoint_id=path / DCP_DIR, no_dist=not env.distributed)
+
+
+def _load_per_rank(path: Path, parts: dict[str, Stateful], saved_world: int, env: DistEnv) -> list[str]:
     if saved_world == env.world_size:
         own = load_rank_state(path, env.rank)
         if own is None:
             raise UserError(f"{path}: no data state for rank {env.rank}")
-        trainer.train_loader.load_state_dict(own["data"])
-        set_rng_state(own["rng"])
-        return None
+        return load_parts(path, parts, own, RANK_META)
     ranks = [load_rank_state(path, r) for r in range(saved_world)]
     if any(r is None for r in ranks):
         raise UserError(f"{path}: data state of some of its {saved_world} ranks is missing")
-    with warnings.catch_warnings():  # the note below says it once, on rank 0
-        warnings.simplefilter("ignore")
-        trainer.train_loader.load_state_dict(merged_data_state([r["data"] for r in ranks], env.rank))
-    if env.rank < saved_world:
-        set_rng_state(ranks[env.rank]["rng"])
-    return (f"world size changed {saved_world} -> {env.world_size}: exact data resume is impossible; "
-            "every source restarts at its next epoch (model, optimizer and counters resume exactly)")
-
-
-def _load_model_optim(trainer, path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    state = model_optim_state(trainer)
-    check_dcp_metadata(path / DCP_DIR)
-    with quiet_single_process():
-        dcp.load(state, checkpoint_id=path / DCP_DIR, no_dist=not trainer.env.distributed)
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    for name, part in parts.items():
+        states = [r[name] for r in ranks if name in r]
+        if hasattr(part, "load_resharded"):
+            part.load_resharded(states, env.rank)
+        elif env.rank < len(states):
+            part.load_state_dict(states[env.rank])
+    return [f"world size changed {saved_world} -> {env.world_size}: exact data resume is impossible; "
+            "every source restarts at its next epoch (model, optimizer and counters resume exactly)"]
 
 
 def merged_data_state(states: list[dict], rank: int) -> dict:
@@ -116,23 +241,35 @@ def merged_data_state(states: list[dict], rank: int) -> dict:
     return merged
 
 
-def _load_single_file(trainer, state: dict) -> str:
-    """A checkpoint of the single-process format (model and optimizer inside state.pt)."""
-    if trainer.env.distributed:
+# ----- older formats ---------------------------------------------------------------------------
+def from_format_2(shared: dict) -> dict:
+    """Format 2's state.pt as format 3 parts. It had no curriculum part: the stage is the one the
+    saved config's train.stages give for the saved step (what the trainer then derived)."""
+    out = {k: shared[k] for k in ("world_size", "config", "scheduler", "balancer")}
+    out["format"] = FORMAT
+    out["train"] = {f.name: shared[f.name] for f in fields(TrainState)}
+    if shared.get("diagnostics"):
+        out["callback.diagnostics"] = {"history": shared["diagnostics"]}
+    stages = shared["config"]["train"].get("stages") or []
+    if stages:
+        out["callback.curriculum"] = {"stage": stage_at([s["until_step"] for s in stages], shared["step"])}
+    return out
+
+
+def _load_format_1(path: Path, parts: Parts, state: dict, env: DistEnv) -> str:
+    """One state.pt with plain (unsharded, id-keyed) model and optimizer state dicts."""
+    if env.distributed:
         raise UserError("this checkpoint has the old single-file format: resume it in one process")
-    trainer.model.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    trainer.balancer.load_state_dict(state["balancer"])
-    trainer.train_loader.load_state_dict(state["data"])
-    set_rng_state(state["rng"])
-    trainer.step = state["step"]
-    trainer.tokens_seen = state["tokens_seen"]
-    trainer.skipped_steps = state["skipped_steps"]
-    trainer.evals = list(state["evals"])
-    return "resumed from a single-file (format 1) checkpoint"
+    model, optim = parts.sharded["model"], parts.sharded["optim"]
+    model.model.load_state_dict(state["model"])
+    optim.optimizer.load_state_dict(state["optimizer"])
+    v2 = {**state, "world_size": 1, "consecutive_skips": 0, "config": state.get("config", {"train": {}})}
+    notes = load_parts(path, parts.replicated, from_format_2(v2), SHARED_META)
+    load_parts(path, parts.per_rank, {"data": state["data"], "rng": state["rng"]}, RANK_META)
+    return "; ".join(["resumed from a single-file (format 1) checkpoint", *notes])
 
 
+# ----- RNG ---------------------------------------------------------------------------------------
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

@@ -1,8 +1,17 @@
 """The training loop: data -> model -> per-modality losses -> AdamW, with eval and checkpoints.
 
+The trainer is the loop and little else. What it checkpoints is a dict of named Stateful parts
+(`parts()`; mmtrain/train_state.py saves and loads them); what it does besides stepping --
+collapse diagnostics, throughput/MFU logging, curriculum stages, the captioning eval, fault
+injection, and any user callback -- are callbacks (mmtrain/callbacks.py) it calls at fixed points:
+
+    fit:  resume (in __init__) -> eval -> on_train_start
+          each step: train_step (on_loss per micro-batch) -> log -> on_step_end
+                     -> eval / checkpoint (on_checkpoint_written, on_checkpoint) when due
+          after the last step (or the time limit): eval -> checkpoint -> on_train_end(summary)
+
 One process, or one rank of a torchrun job: parallelism is applied from outside the model
-(mmtrain/parallelize.py), the process group comes from mmtrain/distributed.py, checkpoints from
-mmtrain/checkpoint.py + train_state.py.
+(mmtrain/parallelize.py), the process group comes from mmtrain/distributed.py.
 
 Losses across ranks. A micro-batch's loss is the sum over tasks of weight * (CE summed over the
 task's trained tokens / the task's trained tokens on ALL ranks), so the ranks' shares add up to
@@ -17,9 +26,8 @@ import contextlib
 import json
 import math
 import os
-import signal
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -27,55 +35,46 @@ import yaml
 
 from mmtrain import train_state
 from mmtrain.balance import build_balancer
+from mmtrain.callbacks import Callback, Callbacks, StepStats
 from mmtrain.captioning import CaptionEval
 from mmtrain.checkpoint import TOKENIZER_FILE, Checkpointer, tokenizer_file
 from mmtrain.config import to_dict
+from mmtrain.curriculum import Curriculum, stage_data
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TEXT, PackedBatch
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.tokenizer import load_tokenizer
-from mmtrain.diagnostics import run_diagnostics
-from mmtrain.dist_eval import dummy_batch, evaluate_ranks, pad_to_most
-from mmtrain.distributed import DistEnv, all_reduce, current_env, pick_device, restart_count
+from mmtrain.diagnostics_callback import Diagnostics
+from mmtrain.dist_eval import dummy_batch, evaluate_ranks
+from mmtrain.distributed import DistEnv, all_reduce, current_env, pick_device
 from mmtrain.errors import UserError
 from mmtrain.evaluate import EvalResult
+from mmtrain.faults import FaultInjection, faults_configured
 from mmtrain.logger import RunLogger
 from mmtrain.models.attention.counts import ATTN_COUNTS
 from mmtrain.models.vision import make_ssl_mask
 from mmtrain.objectives import head_grads, task_losses, weighted_total, z_loss
 from mmtrain.optim import build_optimizer, build_scheduler
 from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync
-from mmtrain.perf import Window, peak_memory_gib, peak_tflops
-from mmtrain.pointing import grounding_docs
+from mmtrain.perf import Throughput, peak_tflops
 from mmtrain.run_config import RunConfig
 from mmtrain.run_dir import RESOLVED_CONFIG, prepare_run_dir
+from mmtrain.train_state import LoaderPart, ModelPart, OptimizerPart, Parts, RNGPart, TrainState
 
-PERF_WARMUP_STEPS = 3  # steps of each launch left out of the run's throughput (allocation, compile)
 _STATS = ("loss", *(f"sum_{t}" for t in TASK_NAMES), *(f"n_{t}" for t in TASK_NAMES),
           *(f"hit_{t}" for t in TASK_NAMES), "ssl", "tokens", "visual", "media", "patches", "wait_s",
           "nonfinite", "time_up")
-DIAG_FILE = "diagnostics.jsonl"  # one JSON line per diagnostics run (rank 0)
 
-
-@dataclass
-class StepStats:
-    loss: float
-    task_loss: dict[str, float]
-    task_acc: dict[str, float]
-    grad_norm: float
-    tokens: int  # all ranks
-    data_wait_s: float  # mean over ranks
-    step_s: float
-    skipped: bool
-    visual_tokens: int = 0
-    media: int = 0
-    patches: int = 0
-    time_up: bool = False
-    visual_ssl: float | None = None  # mean masked-patch loss of the step (when enabled)
+__all__ = ["StepStats", "Trainer"]
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, verbose: bool = True, env: DistEnv | None = None):
+    """One run: builds model, optimizer, loaders and callbacks from `cfg`, resumes from the run
+    directory's newest valid checkpoint, and `fit()`s. `callbacks` are the user's, called after the
+    built-in ones (mmtrain/callbacks.py)."""
+
+    def __init__(self, cfg: RunConfig, verbose: bool = True, env: DistEnv | None = None,
+                 callbacks: Sequence[Callback] = ()):
         self.cfg = cfg
         self.env = env or current_env()
         self.run_dir = prepare_run_dir(cfg.run_dir)
@@ -91,34 +90,64 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.balancer = build_balancer(cfg.loss.balancer, {t: getattr(cfg.loss, t) for t in TASK_NAMES})
-        rank, world = self.env.rank, self.env.world_size
-        self.stage = self.stage_at(0)
-        self.train_loader = build_loader(self.stage_data(self.stage), self.tokenizer, "train", rank, world)
-        self.val_loader = build_loader(cfg.data, self.tokenizer, "val", rank, world)
+        self.state = TrainState()
+        self.use_train_data(stage_data(cfg.data, cfg.train.stages, 0))
+        self.val_loader = build_loader(cfg.data, self.tokenizer, "val", self.env.rank, self.env.world_size)
         self.checkpointer = Checkpointer(self.run_dir, cfg.train.keep_last, self.env)
-        self.step = 0
-        self.tokens_seen = 0
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
-        self.evals: list[dict] = []  # {"step": N, ...EvalResult.to_dict()}
-        self.diagnostics: list[dict] = []  # DiagResult.to_dict() of each run: step, alarms, signals
+        self.callbacks = Callbacks([*self.builtin_callbacks(), *callbacks, *self.fault_callbacks()])
         self._head_g: dict[str, torch.Tensor] = {}  # GradNorm: LM-head gradient per task, this step
         self._attn_acc: dict[int, torch.Tensor] | None = None  # attention counts, on log steps
         self.attn_stats: dict[int, dict] = {}  # per layer, latest log step: kept_frac, keys_per_token
         self._val_cache: list[PackedBatch] | None = None
-        self.captioner = CaptionEval(cfg.captions, cfg.data)  # greedy captions of fixed val media, every eval
-        self._grounding: list | None = None  # diagnostics' pointing-game documents (built at first use)
         self.verbose = verbose
-        self._wait_total = 0.0  # data-wait and step seconds since this process started
-        self._time_total = 0.0
-        self._window, self._run_perf = Window(), Window()
-        self._launch_steps = 0
+        self.log: RunLogger | None = None  # open during fit()
         self._t_launch = time.monotonic()
-        self._peak = peak_tflops(self.device, cfg.train.peak_tflops)
         self.resume_note: str | None = None
         self.resumed_from = self._resume()
 
-    # ----- state -------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (skipped ones included)."""
+        return self.state.step
+
+    # ----- parts and callbacks -------------------------------------------------------------
+    def builtin_callbacks(self) -> list[Callback]:
+        """What the config asks for besides the loop (fault injection comes last, see fault_callbacks)."""
+        cfg = self.cfg
+        out: list[Callback] = [Throughput(peak_tflops(self.device, cfg.train.peak_tflops))]
+        if cfg.train.stages:
+            out.append(Curriculum(cfg.data, cfg.train.stages, self.use_train_data))
+        if cfg.diagnostics.every:
+            out.append(Diagnostics(cfg.diagnostics))
+        if cfg.captions.images or cfg.captions.videos:
+            out.append(CaptionEval(cfg.captions, cfg.data))
+        return out
+
+    def fault_callbacks(self) -> list[Callback]:
+        faults = self.cfg.train.faults
+        return [FaultInjection(faults, self.env.rank)] if faults_configured(faults) else []
+
+    def parts(self) -> Parts:
+        """What a checkpoint holds, by name and by where it lives (see mmtrain/train_state.py)."""
+        return Parts(
+            sharded={"model": ModelPart(self.model), "optim": OptimizerPart(self.model, self.optimizer)},
+            replicated={"train": self.state, "scheduler": self.scheduler, "balancer": self.balancer,
+                        **self.callbacks.parts(per_rank=False)},
+            per_rank={"data": LoaderPart(lambda: self.train_loader), "rng": RNGPart(),
+                      **self.callbacks.parts(per_rank=True)},
+        )
+
+    def use_train_data(self, data: DataConfig) -> None:
+        """(Re)build the train loader on `data` (at the start and at curriculum stage boundaries)."""
+        self.train_loader = build_loader(data, self.tokenizer, "train", self.env.rank, self.env.world_size)
+        self._train_iter = None  # the loop starts a new iterator
+
+    def _batches(self):
+        if self._train_iter is None:
+            self._train_iter = iter(self.train_loader)
+        return self._train_iter
+
+    # ----- checkpoints ---------------------------------------------------------------------
     def _resume(self) -> Path | None:
         """From the newest checkpoint that verifies; damaged newer ones are named in the log."""
         latest, skipped = self.checkpointer.newest_valid()
@@ -127,7 +156,7 @@ class Trainer:
         if latest is None:
             return None
         try:
-            note = train_state.load_training_state(self, latest)
+            note = train_state.load_checkpoint(latest, self.parts(), self.env)
             self.resume_note = "; ".join(notes + ([note] if note else [])) or None
         except (KeyError, RuntimeError, ValueError) as e:
             raise UserError(f"{latest}: checkpoint does not match this config: {e}") from None
@@ -137,88 +166,63 @@ class Trainer:
             raise UserError(f"{latest}: cannot load checkpoint: {str(e).splitlines()[0]}") from None
         return latest
 
-    # ----- curriculum stages -----------------------------------------------------------------
-    def stage_at(self, step: int) -> int:
-        """Index of the train.stages entry that step `step + 1` belongs to (len(stages): all sources)."""
-        ends = [s.until_step for s in self.cfg.train.stages]
-        return next((i for i, end in enumerate(ends) if step < end), len(ends))
-
-    def stage_data(self, stage: int) -> DataConfig:
-        """The data config of a stage: its sources only, and a seed of its own (no replayed stream)."""
-        data = self.cfg.data
-        if stage == len(self.cfg.train.stages):
-            train = data.train
-        else:
-            keep = set(self.cfg.train.stages[stage].sources)
-            train = [s for s in data.train if s.name in keep]
-        return replace(data, train=train, seed=data.seed + stage if self.cfg.train.stages else data.seed)
-
-    def enter_stage(self, stage: int) -> bool:
-        """Switch the train loader to `stage` (at a stage boundary, or on resume); -> whether it changed."""
-        if stage == self.stage:
-            return False
-        self.stage = stage
-        self.train_loader = build_loader(self.stage_data(stage), self.tokenizer, "train", self.env.rank,
-                                         self.env.world_size)
-        return True
-
     def save_checkpoint(self) -> Path:
         tok = tokenizer_file(self.cfg.data.tokenizer)  # data.tokenizer may be a directory
         files = {TOKENIZER_FILE: tok} if tok is not None else {}
-        kill_here = self.cfg.train.faults.kill_in_save_at_step == self.step
-        return self.checkpointer.save(
-            self.step, train_state.model_optim_state(self), train_state.shared_state(self),
-            train_state.rank_state(self), self.config_text, files,
-            before_commit=self._fault_kill if kill_here else None)
+        step = self.step
+        path = train_state.save_checkpoint(
+            self.checkpointer, self.parts(), step, to_dict(self.cfg), self.config_text, files,
+            before_commit=lambda: self.callbacks.emit("on_checkpoint_written", self, step))
+        self.callbacks.emit("on_checkpoint", self, path)
+        return path
 
-    # ----- training ----------------------------------------------------------------------
+    # ----- the loop --------------------------------------------------------------------------
     def fit(self) -> dict:
         cfg = self.cfg.train
-        log = RunLogger(self.run_dir, cfg.steps, self.step, console=self.verbose, rank=self.env.rank)
+        self.log = RunLogger(self.run_dir, cfg.steps, self.step, console=self.verbose, rank=self.env.rank)
         try:
-            if self.env.distributed:
-                log.info(f"rank {self.env.rank}/{self.env.world_size} on {self.device}, "
-                         f"{self.cfg.dist.strategy}, {self.raw_model.num_params()}")
-            if self.resumed_from is not None:
-                log.info(f"resumed from {self.resumed_from} at step {self.step}")
-            if self.resume_note and self.env.is_main:
-                log.info(f"warning: {self.resume_note}")
-            if not self.evals:
-                self._evaluate(log)
-            if not self.diagnostics and self.cfg.diagnostics.every:
-                self._diagnose(log)
-            train_iter = iter(self.train_loader)
+            self._announce()
+            if not self.state.evals:
+                self.evaluate()
+            self.callbacks.emit("on_train_start", self)
             while self.step < cfg.steps:
-                stats = self.train_step(train_iter)
-                self._log_step(log, stats)
-                if self.enter_stage(self.stage_at(self.step)):
-                    log.info(f"step {self.step}: curriculum stage {self.stage} "
-                             f"({', '.join(s.name for s in self.stage_data(self.stage).train)})")
-                    train_iter = iter(self.train_loader)
-                if cfg.faults.kill_at_step == self.step:
-                    self._fault_kill()
+                stats = self.train_step(self._batches())
+                self._log_step(stats)
+                self.callbacks.emit("on_step_end", self, stats)
                 if stats.time_up:
-                    log.info(f"train.time_limit_min {cfg.time_limit_min:g} reached at step {self.step}")
+                    self.log.info(f"train.time_limit_min {cfg.time_limit_min:g} reached at step {self.step}")
                     break
-                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
-                    self._evaluate(log)
-                every = self.cfg.diagnostics.every
-                if every and self.step % every == 0 and self.step < cfg.steps:
-                    self._diagnose(log)
-                if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < cfg.steps:
+                if self.step < cfg.steps and _due(self.step, cfg.eval_every):
+                    self.evaluate()
+                if self.step < cfg.steps and _due(self.step, cfg.ckpt_every):
                     self.save_checkpoint()
-            if self.evals[-1]["step"] != self.step:
-                self._evaluate(log)
-            if self.cfg.diagnostics.every and self.diagnostics[-1]["step"] != self.step:
-                self._diagnose(log)
-            path = self.save_checkpoint()
-            summary = self.summary(path)
-            if self.env.is_main:
-                (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            return summary
+            return self._finish()
         finally:
-            log.close()
+            self.log.close()
+            self.log = None
 
+    def _announce(self) -> None:
+        log = self.log
+        if self.env.distributed:
+            log.info(f"rank {self.env.rank}/{self.env.world_size} on {self.device}, "
+                     f"{self.cfg.dist.strategy}, {self.raw_model.num_params()}")
+        if self.resumed_from is not None:
+            log.info(f"resumed from {self.resumed_from} at step {self.step}")
+        if self.resume_note and self.env.is_main:
+            log.info(f"warning: {self.resume_note}")
+
+    def _finish(self) -> dict:
+        """The last eval (unless this step had one), the final checkpoint, the summary."""
+        if self.state.evals[-1]["step"] != self.step:
+            self.evaluate()
+        path = self.save_checkpoint()
+        summary = self.summary(path)
+        self.callbacks.emit("on_train_end", self, summary)
+        if self.env.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    # ----- one step ------------------------------------------------------------------------
     def train_step(self, train_iter) -> StepStats:
         t_start = time.perf_counter()
         self.model.train()
@@ -252,9 +256,9 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self._after_optimizer_step()
-        self.step += 1
+        self.state.step += 1
         tokens = int(total["tokens"])
-        self.tokens_seen += tokens
+        self.state.tokens_seen += tokens
         task_loss = {t: total[f"sum_{t}"] / total[f"n_{t}"] for t in TASK_NAMES if total[f"n_{t}"]}
         task_acc = {t: total[f"hit_{t}"] / total[f"n_{t}"] for t in TASK_NAMES if total[f"n_{t}"]}
         if not skipped:
@@ -273,7 +277,7 @@ class Trainer:
             counts = all_reduce(torch.cat([counts, counts.sum()[None]]), self.env).tolist()
         ssl_cfg = self.cfg.loss.visual_ssl
         ssl_mask = self._ssl_mask(batch) if ssl_cfg.weight else None
-        with self._autocast():
+        with self.autocast():
             out = self.model(**batch.model_inputs(), ssl_mask_N=ssl_mask,
                              attn_stats=self._attn_acc is not None)
         for layer, st in out.attn_stats.items():
@@ -297,9 +301,7 @@ class Trainer:
             if world > 1:
                 z = z * (batch.loss_mask_BS.sum() / max(counts[-1], 1.0))
             loss = loss + self.cfg.loss.z_loss * z
-        faults = self.cfg.train.faults
-        if faults.nan_at_step == self.step + 1 and faults.rank == self.env.rank:
-            loss = loss * float("nan")
+        loss = self.callbacks.on_loss(self, loss)  # e.g. fault injection's NaN
         for t, n in zip(TASK_NAMES, local_n):
             acc[f"sum_{t}"] += float(losses.loss_sum[t].detach())
             acc[f"n_{t}"] += n
@@ -363,28 +365,23 @@ class Trainer:
     def _skip_step(self) -> None:
         """A non-finite loss or gradient: drop the update, count it, stop if it keeps happening."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.skipped_steps += 1
-        self.consecutive_skips += 1
-        if self.consecutive_skips >= self.cfg.train.max_skipped_steps:
+        self.state.skipped_steps += 1
+        self.state.consecutive_skips += 1
+        if self.state.consecutive_skips >= self.cfg.train.max_skipped_steps:
             raise UserError(
-                f"{self.consecutive_skips} consecutive non-finite steps at step {self.step + 1}; "
+                f"{self.state.consecutive_skips} consecutive non-finite steps at step {self.step + 1}; "
                 f"stopping (last checkpoint, intact: {self.checkpointer.latest()})"
             )
 
     def _after_optimizer_step(self) -> None:
-        self.consecutive_skips = 0
+        self.state.consecutive_skips = 0
         # auxiliary-loss-free balancing: the load of all ranks since the last step
         self.raw_model.update_moe_bias(lambda t: all_reduce(t, self.env) if self.env.distributed else None)
 
-    def _autocast(self):
+    def autocast(self):
         if self.device.type == "cuda" and self.cfg.train.dtype == "bfloat16":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
-
-    def _fault_kill(self) -> None:
-        """Fault injection (train.faults): SIGKILL this rank, in the first launch only."""
-        if self.env.rank == self.cfg.train.faults.rank and restart_count() == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
 
     # ----- eval and logging --------------------------------------------------------------
     def val_batches(self) -> list[PackedBatch]:
@@ -401,120 +398,74 @@ class Trainer:
                 raise UserError("the val split yielded no batches: check data.val shards")
         return self._val_cache
 
-    def _evaluate(self, log: RunLogger) -> EvalResult:
-        result = evaluate_ranks(self.model, self.val_batches(), self.device, self.env, self._pad_batch,
-                                self._autocast)
-        log.scalars(self.step, result.scalars())
+    def evaluate(self) -> EvalResult:
+        """Per-task val loss with real and blanked media; callbacks add to the record (on_eval)."""
+        result = evaluate_ranks(self.model, self.val_batches(), self.device, self.env, self.pad_batch,
+                                self.autocast)
+        self.log.scalars(self.step, result.scalars())
         parts = [f"{t} {v:.3f}" for t, v in result.loss.items()]
         gaps = [f"{t} {v:+.3f}" for t, v in result.reliance_gap.items()]
-        log.info(f"eval @ {self.step}: loss {', '.join(parts)} | reliance gap {', '.join(gaps)}")
-        captions = self.captioner(self.raw_model, self.cfg, self.tokenizer, self.device, self.step, self.env,
-                                  self._autocast, log)  # {"captions": ...} or {} (off, or no attributes)
-        self.evals.append({"step": self.step, **result.to_dict(), **captions})
+        self.log.info(f"eval @ {self.step}: loss {', '.join(parts)} | reliance gap {', '.join(gaps)}")
+        record = {"step": self.step, **result.to_dict()}
+        self.callbacks.emit("on_eval", self, record)
+        self.state.evals.append(record)
         return result
 
-    def _pad_batch(self) -> PackedBatch:
+    def pad_batch(self) -> PackedBatch:
         """A batch that adds nothing to any sum: pads a rank's val batches to the others' count."""
         return dummy_batch(self.cfg.data.seq_len, self.cfg.model.vision.patch_dim)
 
-    def _diagnose(self, log: RunLogger) -> None:
-        """Collapse diagnostics on the first `diagnostics.batches` val batches (the same every time)."""
-        cfg = self.cfg.diagnostics
-        batches = pad_to_most(self.val_batches()[:cfg.batches], self.env, self.device, self._pad_batch)
-        reduce_fn = (lambda t: all_reduce(t, self.env)) if self.env.distributed else None
-        if self._grounding is None:  # val media with boxes for the pointing game, read once
-            self._grounding = grounding_docs(self.cfg.data, self.tokenizer, cfg.pointing_media)
-        result = run_diagnostics(self.model, batches, self.device, cfg, self.step, self._autocast, reduce_fn,
-                                 raw_model=self.raw_model, grounding=self._grounding)
-        self.diagnostics.append(result.to_dict())  # with its step and alarms
-        alarms = self.diagnostics[-1]["alarms"]
-        log.scalars(self.step, result.scalars())
-        image_HW3 = result.expert_load_image() if self.env.is_main else None
-        if image_HW3 is not None:
-            log.image(self.step, "diag/expert_load", image_HW3)
-        for alarm in alarms:
-            log.info(f"ALARM @ {self.step}: {alarm}")
-        if self.env.is_main:
-            with open(self.run_dir / DIAG_FILE, "a", encoding="utf-8") as f:
-                f.write(json.dumps(self.diagnostics[-1]) + "\n")
-        self.balancer.observe_reliance(result.reliance_gap, self.step)
+    def is_log_step(self, stats: StepStats) -> bool:
+        """Whether this step's scalars go to TensorBoard (every `train.log_every` steps, and skips)."""
+        return self.step % self.cfg.train.log_every == 0 or stats.skipped
 
-    def _log_step(self, log: RunLogger, s: StepStats) -> None:
-        world = self.env.world_size
-        tok_s = s.tokens / world / max(s.step_s, 1e-9)  # per device
-        wait = s.data_wait_s / max(s.step_s, 1e-9)
-        self._wait_total += s.data_wait_s
-        self._time_total += s.step_s
-        self._launch_steps += 1
-        self._window.add(s.tokens, s.visual_tokens, s.media, s.patches, s.step_s)
-        if self._launch_steps > PERF_WARMUP_STEPS:
-            self._run_perf.add(s.tokens, s.visual_tokens, s.media, s.patches, s.step_s)
+    def _log_step(self, s: StepStats) -> None:
+        """metrics.jsonl and the progress line every step; TensorBoard's train/* on log steps."""
+        weights, lr = self.balancer.weights(), self.scheduler.get_last_lr()[0]
+        self.log.progress(self.step, self._progress_line(s, weights))
+        self.log.record({"step": self.step, "loss": s.loss, "task_loss": s.task_loss, "task_acc": s.task_acc,
+                         "weights": weights, "visual_ssl": s.visual_ssl, "grad_norm": s.grad_norm,
+                         "lr": lr, "skipped": s.skipped, "tokens": s.tokens, "step_s": s.step_s,
+                         "wait_s": s.data_wait_s})
+        if s.skipped:
+            self.log.info(f"step {self.step}: non-finite loss or gradient, update skipped "
+                          f"({self.state.consecutive_skips} in a row, {self.state.skipped_steps} in all)")
+        if self.is_log_step(s):
+            self.log.scalars(self.step, self._train_scalars(s, weights, lr))
+
+    def _progress_line(self, s: StepStats, weights: dict[str, float]) -> str:
         short = {"text": "txt", "image_text": "img", "video_text": "vid"}
         losses = " ".join(f"{short[t]} {v:.2f}" for t, v in s.task_loss.items())
-        weights = self.balancer.weights()
         w_info = "" if self.cfg.loss.balancer.kind == "static" else (
             " | w " + "/".join(f"{weights[t]:.2f}" for t in TASK_NAMES))
-        unit = "tok/s/dev" if world > 1 else "tok/s"
-        log.progress(self.step, f"{losses}{w_info} | {tok_s:,.0f} {unit} | wait {wait:.0%}")
-        lr = self.scheduler.get_last_lr()[0]
-        log.record({"step": self.step, "loss": s.loss, "task_loss": s.task_loss, "task_acc": s.task_acc,
-                    "weights": weights, "visual_ssl": s.visual_ssl, "grad_norm": s.grad_norm,
-                    "lr": lr, "skipped": s.skipped, "tokens": s.tokens, "step_s": s.step_s,
-                    "wait_s": s.data_wait_s})
-        if s.skipped:
-            log.info(f"step {self.step}: non-finite loss or gradient, update skipped "
-                     f"({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
-        if self.step % self.cfg.train.log_every == 0 or s.skipped:
-            scalars = {f"train/loss_{t}": v for t, v in s.task_loss.items()}
-            scalars.update({f"train/acc_{t}": v for t, v in s.task_acc.items()})
-            scalars.update({f"train/weight_{t}": w for t, w in weights.items()})
-            scalars.update(self.balancer.scalars())
-            if s.visual_ssl is not None:
-                scalars["train/loss_visual_ssl"] = s.visual_ssl
-            scalars.update({
-                "train/loss": s.loss, "train/grad_norm": s.grad_norm, "train/lr": lr,
-                "train/skipped_steps": self.skipped_steps, "perf/data_wait_frac": wait,
-                "perf/tokens_per_s": tok_s * world,
-                "perf/tokens_per_s_per_device": self._window.tokens_per_s_per_device(world),
-                "perf/peak_mem_gib": self._peak_memory(),
-            })
-            for i, a in self.attn_stats.items():
-                scalars[f"attn/keys_per_token_L{i}"] = a["keys_per_token"]
-                if a["sparse"]:
-                    scalars[f"attn/kept_block_frac_L{i}"] = a["kept_frac"]
-            mfu = self._window.mfu(self.raw_model, self.cfg.data.seq_len, world, self._peak,
-                                   self._attn_keys())
-            if mfu is not None:
-                scalars["perf/mfu"] = mfu
-            log.scalars(self.step, scalars)
-            self._window = Window()
+        unit = "tok/s/dev" if self.env.world_size > 1 else "tok/s"
+        tok_s = s.tokens_per_s_per_device(self.env.world_size)
+        return f"{losses}{w_info} | {tok_s:,.0f} {unit} | wait {s.wait_fraction():.0%}"
 
-    def _attn_keys(self) -> dict[int, float]:
-        return {i: a["keys_per_token"] for i, a in self.attn_stats.items()}
-
-    def _peak_memory(self) -> float:
-        """GiB, the largest over ranks (a collective: called at the same steps on every rank)."""
-        mem = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64, device=self.device)
-        return float(all_reduce(mem, self.env, op="max").item())
-
-    def data_wait_fraction(self) -> float:
-        return self._wait_total / max(self._time_total, 1e-9)
+    def _train_scalars(self, s: StepStats, weights: dict[str, float], lr: float) -> dict[str, float]:
+        scalars = {f"train/loss_{t}": v for t, v in s.task_loss.items()}
+        scalars.update({f"train/acc_{t}": v for t, v in s.task_acc.items()})
+        scalars.update({f"train/weight_{t}": w for t, w in weights.items()})
+        scalars.update(self.balancer.scalars())
+        if s.visual_ssl is not None:
+            scalars["train/loss_visual_ssl"] = s.visual_ssl
+        scalars.update({"train/loss": s.loss, "train/grad_norm": s.grad_norm, "train/lr": lr,
+                        "train/skipped_steps": self.state.skipped_steps})
+        return scalars
 
     def summary(self, ckpt: Path) -> dict:
-        perf = self._run_perf if self._run_perf.steps else self._window
-        world = self.env.world_size
-        mfu = perf.mfu(self.raw_model, self.cfg.data.seq_len, world, self._peak, self._attn_keys())
+        """The run's end: counters, first and last eval, weights; callbacks add theirs (on_train_end)."""
+        st = self.state
         return {
-            "run_dir": str(self.run_dir), "checkpoint": str(ckpt), "steps": self.step,
-            "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
-            "data_wait_fraction": self.data_wait_fraction(),
-            "world_size": world, "tokens_per_s_per_device": perf.tokens_per_s_per_device(world),
-            "mfu": mfu, "peak_mem_gib": self._peak_memory(),
-            "start": self.evals[0], "end": self.evals[-1],
+            "run_dir": str(self.run_dir), "checkpoint": str(ckpt), "steps": st.step,
+            "tokens_seen": st.tokens_seen, "skipped_steps": st.skipped_steps,
+            "world_size": self.env.world_size, "start": st.evals[0], "end": st.evals[-1],
             "balancer": self.cfg.loss.balancer.kind, "weights": self.balancer.weights(),
-            "diagnostics": self.diagnostics[-1] if self.diagnostics else None,
-            "attention": {str(i): a for i, a in self.attn_stats.items()},
         }
+
+
+def _due(step: int, every: int) -> bool:
+    return bool(every) and step % every == 0
 
 
 def _set_threads(threads: int, env: DistEnv) -> None:

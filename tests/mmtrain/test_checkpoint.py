@@ -109,7 +109,7 @@ def test_nan_step_is_skipped_and_counted(make_config, tmp_path):
     assert "step 3: non-finite loss or gradient, update skipped (1 in a row, 1 in all)" in \
         (run / "train.log").read_text()
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
-    assert load_state(run / "step_4")["skipped_steps"] == 1
+    assert load_state(run / "step_4")["train"]["skipped_steps"] == 1
 
 
 def test_consecutive_nan_steps_stop_the_run_with_its_checkpoint_intact(make_config, tmp_path):

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from mmtrain.config import ConfigError
-from mmtrain.trainer import DIAG_FILE, Trainer
+from mmtrain.curriculum import Curriculum
+from mmtrain.diagnostics_callback import DIAG_FILE
+from mmtrain.trainer import Trainer
 
 
 def _metrics(run) -> dict[int, dict]:
@@ -69,17 +71,18 @@ def test_stages_train_text_first_then_every_source_and_resume_in_the_stage(make_
     run = tmp_path / "run"
     over = ["train.steps=8", "train.ckpt_every=4", "train.stages=[{until_step: 3, sources: [text]}]"]
     trainer = Trainer(make_config(run, over), verbose=False)
-    assert trainer.stage == 0 and [s.name for s in trainer.stage_data(0).train] == ["text"]
+    curriculum = trainer.callbacks.get(Curriculum)
+    assert curriculum.stage == 0 and [s.name for s in curriculum.stage_data(0).train] == ["text"]
     trainer.fit()
     metrics = _metrics(run)
     for step in (1, 2, 3):
         assert set(metrics[step]["task_loss"]) == {"text"}, metrics[step]
     assert any(set(metrics[s]["task_loss"]) - {"text"} for s in range(4, 9))
-    assert trainer.stage == 1
+    assert curriculum.stage == 1
     log = (run / "train.log").read_text()
     assert "step 3: curriculum stage 1" in log
     resumed = Trainer(make_config(run, [*over[:-2], "train.steps=8", over[-1]]), verbose=False)
-    assert resumed.step == 8 and resumed.stage == 1
+    assert resumed.step == 8 and resumed.callbacks.get(Curriculum).stage == 1
     assert resumed.train_loader.state_dict() == trainer.train_loader.state_dict()
     with pytest.raises((ConfigError, ValueError), match="not a data.train source"):
         make_config(tmp_path / "bad", ["train.stages=[{until_step: 3, sources: [nope]}]"])

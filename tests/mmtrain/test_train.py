@@ -47,4 +47,4 @@ def test_resume_continues_step_count(make_config, tmp_path):
     assert summary["steps"] == 6
     assert summary["start"]["step"] == 0  # the eval history survives the restart
     assert [p.name for p in Checkpointer(run, keep_last=2).checkpoints()] == ["step_4", "step_6"]
-    assert load_state(run / "step_6")["step"] == 6
+    assert load_state(run / "step_6")["train"]["step"] == 6

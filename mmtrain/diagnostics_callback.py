@@ -1,0 +1,76 @@
+"""Collapse diagnostics (mmtrain/diagnostics.py) as a callback: at the start, every
+`diagnostics.every` steps and at the last step, on the first `diagnostics.batches` val batches.
+
+Each run goes to TensorBoard (`diag/*`, the expert-load heatmap), to `RUN/diagnostics.jsonl`
+(rank 0), to the log as `ALARM @ step: ...` lines, and to the balancer (the reliance guard reads
+the gaps). The history is the callback's state, a checkpoint part (`callback.diagnostics`), so a
+resumed run neither repeats the start's run nor loses the curve; the last run is in the summary.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from mmtrain.callbacks import Callback, StepStats
+from mmtrain.diagnostics import DiagConfig, run_diagnostics
+from mmtrain.dist_eval import pad_to_most
+from mmtrain.distributed import all_reduce
+from mmtrain.pointing import grounding_docs
+
+if TYPE_CHECKING:
+    from mmtrain.trainer import Trainer
+
+DIAG_FILE = "diagnostics.jsonl"  # one JSON line per diagnostics run (rank 0)
+
+
+class Diagnostics(Callback):
+    name = "diagnostics"
+
+    def __init__(self, cfg: DiagConfig):
+        self.cfg = cfg
+        self.history: list[dict] = []  # DiagResult.to_dict() of each run: step, alarms, signals
+        self._grounding: list | None = None  # the pointing game's val documents, read at first use
+
+    def state_dict(self) -> dict:
+        return {"history": self.history}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = list(state["history"])
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        if not self.history:
+            self.run(trainer)
+
+    def on_step_end(self, trainer: Trainer, stats: StepStats) -> None:
+        last = trainer.step >= trainer.cfg.train.steps or stats.time_up
+        if last or trainer.step % self.cfg.every == 0:
+            self.run(trainer)
+
+    def on_train_end(self, trainer: Trainer, summary: dict) -> None:
+        summary["diagnostics"] = self.history[-1] if self.history else None
+
+    def run(self, trainer: Trainer) -> None:
+        """One run on every rank (the sums are all-reduced, so every rank sees the same result)."""
+        env, cfg = trainer.env, self.cfg
+        batches = pad_to_most(trainer.val_batches()[:cfg.batches], env, trainer.device, trainer.pad_batch)
+        if self._grounding is None:
+            self._grounding = grounding_docs(trainer.cfg.data, trainer.tokenizer, cfg.pointing_media)
+        result = run_diagnostics(trainer.model, batches, trainer.device, cfg, trainer.step, trainer.autocast,
+                                 (lambda t: all_reduce(t, env)) if env.distributed else None,
+                                 raw_model=trainer.raw_model, grounding=self._grounding)
+        self.history.append(result.to_dict())  # with its step and alarms
+        self._report(trainer, result)
+        trainer.balancer.observe_reliance(result.reliance_gap, trainer.step)
+
+    def _report(self, trainer: Trainer, result) -> None:
+        log, step = trainer.log, trainer.step
+        log.scalars(step, result.scalars())
+        image_HW3 = result.expert_load_image() if trainer.env.is_main else None
+        if image_HW3 is not None:
+            log.image(step, "diag/expert_load", image_HW3)
+        for alarm in self.history[-1]["alarms"]:
+            log.info(f"ALARM @ {step}: {alarm}")
+        if trainer.env.is_main:
+            with open(trainer.run_dir / DIAG_FILE, "a", encoding="utf-8") as f:
+                f.write(json.dumps(self.history[-1]) + "\n")
