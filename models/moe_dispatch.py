@@ -2,7 +2,8 @@
 
 Three paths compute the same function y_T = sum_k w_TK * expert_{idx_TK}(x_T):
 - `grouped_mm`: sort the T*K rows by expert, one `torch._grouped_mm` per projection (no
-  padding, no host sync). Used where the runtime supports it (probed once per device/dtype).
+  padding, no host sync). Used where the runtime supports it (probed once per device/dtype);
+  compiled fp32 steps call it through an opaque custom op (`grouped_mm_op`).
 - `batched`: sort, scatter into a zero-padded (E, C, D) buffer (C = the largest expert load,
   one host sync), `torch.bmm`, gather back. Works everywhere.
 - `loop`: the reference; a Python loop over experts on the unsorted tokens.
@@ -58,6 +59,43 @@ def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
+@torch.library.custom_op("mmtrain::grouped_mm", mutates_args=())
+def grouped_mm_op(x_RD: Tensor, w_EDF: Tensor, offs_E: Tensor) -> Tensor:
+    """`torch._grouped_mm` as an opaque op: under torch.compile its shape rule takes bf16 only, while
+    eager CPU runs fp32 too; the op keeps the sync-free grouped path for fp32 compiled steps."""
+    return torch._grouped_mm(x_RD, w_EDF, offs=offs_E).contiguous()
+
+
+@grouped_mm_op.register_fake
+def _(x_RD, w_EDF, offs_E):
+    return x_RD.new_empty(x_RD.shape[0], w_EDF.shape[-1])
+
+
+@torch.library.custom_op("mmtrain::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward_op(dy_RF: Tensor, x_RD: Tensor, w_EDF: Tensor, offs_E: Tensor
+                           ) -> tuple[Tensor, Tensor]:
+    dx_RD = torch._grouped_mm(dy_RF, w_EDF.transpose(-1, -2), offs=offs_E)
+    dw_EDF = torch._grouped_mm(x_RD.t(), dy_RF, offs=offs_E)
+    return dx_RD.contiguous(), dw_EDF.contiguous()
+
+
+@grouped_mm_backward_op.register_fake  # outputs contiguous (the real ones are made so)
+def _(dy_RF, x_RD, w_EDF, offs_E):
+    return x_RD.new_empty(x_RD.shape), w_EDF.new_empty(w_EDF.shape)
+
+
+def _gmm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _gmm_backward(ctx, dy_RF):
+    dx_RD, dw_EDF = grouped_mm_backward_op(dy_RF.contiguous(), *ctx.saved_tensors)
+    return dx_RD, dw_EDF, None
+
+
+grouped_mm_op.register_autograd(_gmm_backward, setup_context=_gmm_setup)
+
+
 def compute_dtype(x: Tensor) -> torch.dtype:
     """The matmul dtype: autocast's when active (grouped_mm is not an autocast op)."""
     dev = x.device.type
@@ -68,8 +106,6 @@ def resolve_dispatch(dispatch: str, x: Tensor) -> str:
     if dispatch != "auto":
         return dispatch
     dtype = compute_dtype(x)
-    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
-        return "batched"  # the compiler's grouped_mm shape rule accepts bf16 only (eager CPU does fp32)
     return "grouped_mm" if grouped_mm_supported(x.device.type, dtype) else "batched"
 
 
@@ -94,8 +130,14 @@ def _experts_grouped(x_RD: Tensor, counts_E: Tensor, w_in_EDF2: Tensor, w_out_EF
     # CPU grouped_mm's backward was seen to turn them into NaN weight gradients.
     offs_E = counts_E.cumsum(0).to(torch.int32)
     offs_E[-1] = x_RD.shape[0]
-    h_RF2 = torch._grouped_mm(x_RD, w_in_EDF2, offs=offs_E)
-    return torch._grouped_mm(swiglu(h_RF2).contiguous(), w_out_EFD, offs=offs_E)
+    # compiled fp32: the opaque op (the compiler's grouped_mm shape rule accepts bf16 only)
+    gmm = grouped_mm_op if torch.compiler.is_compiling() and x_RD.dtype != torch.bfloat16 else _gmm
+    h_RF2 = gmm(x_RD, w_in_EDF2, offs_E)
+    return gmm(swiglu(h_RF2).contiguous(), w_out_EFD, offs_E)
+
+
+def _gmm(x_RD: Tensor, w_EDF: Tensor, offs_E: Tensor) -> Tensor:
+    return torch._grouped_mm(x_RD, w_EDF, offs=offs_E)
 
 
 def _experts_batched(x_RD: Tensor, expert_R: Tensor, counts_E: Tensor, w_in_EDF2: Tensor,

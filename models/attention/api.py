@@ -14,6 +14,7 @@ from .dense import attend_dense
 from .flex import attend_flex
 from .gather import attend_gather_full, attend_gather_sparse
 from .meta import AttnMeta
+from .opaque import attend_sparse_opaque
 from .sdpa import attend_sdpa_full
 from .select import select_blocks
 
@@ -61,6 +62,9 @@ def attend(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: 
     (counts.py: keys, kept and reachable blocks, tokens; scalar tensors).
     """
     _check(q_BHSD, k_BKSD, v_BKSD, meta, cfg)
+    if (sparse and capture is None and stats is None and torch.compiler.is_compiling()
+            and resolve_backend(cfg, q_BHSD, meta, sparse) == "gather"):
+        return attend_sparse_opaque(q_BHSD, k_BKSD, v_BKSD, meta, cfg)  # selection + gather: one op
     sel = select_blocks(q_BHSD, k_BKSD, meta, cfg) if sparse else None
     if capture is not None:
         capture["q"] = q_BHSD.detach()

@@ -69,12 +69,36 @@ class AttnMeta:
     ablk_BS: Tensor  # int64 aligned block of the token
     base_BS: Tensor  # int64 aligned block of the token's document block 0
     vis_BS: Tensor  # bool: visual token
-    has_spans: bool  # any visual token in the batch (flash cannot do bidirectional spans)
-    docs_contiguous: bool  # every document is one run of tokens (flash's cu_seqlens need it)
-    num_ablocks: int  # A: aligned blocks per row (the longest row)
+    blocks_B: Tensor  # int64 aligned blocks each row needs
     null: Tensor  # int64 scalar: a document id no token has (empty slots, padded blocks)
-    # Per-forward cache of what layers share (aligned layout, gather intervals, flex BlockMasks).
+    # Per-forward cache of what layers share (aligned layout, gather intervals, flex BlockMasks,
+    # the host values below).
     cache: dict = field(default_factory=dict, repr=False)
+
+    # Host values, computed on first use (a host sync each; build_meta itself never syncs).
+    @property
+    def has_spans(self) -> bool:
+        """Any visual token in the batch (flash cannot do bidirectional spans)."""
+        return self._host("has_spans", lambda: bool(self.vis_BS.any()))
+
+    @property
+    def docs_contiguous(self) -> bool:
+        """Every document is one run of tokens (flash's cu_seqlens need it)."""
+        def contiguous() -> bool:
+            run_start_BS = F.pad(self.doc_BS[:, 1:] != self.doc_BS[:, :-1], (1, 0), value=True)
+            pos_BS = torch.arange(self.seq_len, device=self.doc_BS.device).expand_as(self.doc_BS)
+            return bool((run_start_BS == (self.first_BS == pos_BS)).all())
+        return self._host("docs_contiguous", contiguous)
+
+    @property
+    def num_ablocks(self) -> int:
+        """A: aligned blocks per row (the longest row)."""
+        return self._host("num_ablocks", lambda: max(int(self.blocks_B.max()), 1) if self.seq_len else 1)
+
+    def _host(self, name: str, fn):
+        if name not in self.cache:
+            self.cache[name] = fn()
+        return self.cache[name]
 
     @property
     def batch(self) -> int:
@@ -113,16 +137,25 @@ class AttnMeta:
         return self.cache["aligned"]
 
 
-def _group_extent(b_T: Tensor, ids_T: Tensor, pos_T: Tensor, ids2_T: Tensor):
-    """Per token: first and last position of its group (b, id, id2) -- works for any ids."""
-    key_TC = torch.stack([b_T, ids_T, ids2_T], dim=-1)
-    _, inv_T = torch.unique(key_TC, dim=0, return_inverse=True)
-    n = int(inv_T.max()) + 1 if inv_T.numel() else 0
-    first_U = torch.full((n,), 2**62, dtype=torch.long, device=pos_T.device)
-    last_U = torch.full((n,), -1, dtype=torch.long, device=pos_T.device)
-    first_U = first_U.scatter_reduce(0, inv_T, pos_T, "amin")
-    last_U = last_U.scatter_reduce(0, inv_T, pos_T, "amax")
-    return first_U[inv_T], last_U[inv_T]
+def _span_extent(doc_BS: Tensor, span_BS: Tensor) -> tuple[Tensor, Tensor]:
+    """Per token: first and last row position of its (document, span) group, by a stable lexical
+    sort (no host sync). Only visual tokens' values are used."""
+    B, S = doc_BS.shape
+    by_span_BS = torch.sort(span_BS, dim=1, stable=True).indices
+    order_BS = by_span_BS.gather(1, torch.sort(doc_BS.gather(1, by_span_BS), dim=1, stable=True).indices)
+    sdoc_BS, sspan_BS = doc_BS.gather(1, order_BS), span_BS.gather(1, order_BS)
+    if S == 0:
+        return order_BS, order_BS
+    change_BS = (sdoc_BS[:, 1:] != sdoc_BS[:, :-1]) | (sspan_BS[:, 1:] != sspan_BS[:, :-1])
+    new_BS = F.pad(change_BS, (1, 0), value=True)
+    idx_BS = torch.arange(S, device=doc_BS.device).expand(B, S)
+    run_first_BS = torch.where(new_BS, idx_BS, 0).cummax(1).values  # sorted index of the run's start
+    end_BS = F.pad(new_BS[:, 1:], (0, 1), value=True)
+    run_last_BS = torch.where(end_BS, idx_BS, S).flip(1).cummin(1).values.flip(1)
+    # positions are sorted inside a run (stable sorts): first/last = the run's ends
+    first_BS = torch.empty_like(order_BS).scatter_(1, order_BS, order_BS.gather(1, run_first_BS))
+    last_BS = torch.empty_like(order_BS).scatter_(1, order_BS, order_BS.gather(1, run_last_BS))
+    return first_BS, last_BS
 
 
 def _doc_ranks(doc_BS: Tensor, Bs: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -147,7 +180,8 @@ def _doc_ranks(doc_BS: Tensor, Bs: int) -> tuple[Tensor, Tensor, Tensor, Tensor]
 
 @torch.no_grad()
 def build_meta(doc_ids_BS: Tensor, span_ids_BS: Tensor, block_size: int) -> AttnMeta:
-    """Build the metadata once per forward; every layer (and every backend) reuses it.
+    """Build the metadata once per forward; every layer (and every backend) reuses it. No host
+    synchronisation: three steps of tensor ops (documents, spans; host values lazily, in AttnMeta).
 
     doc_ids (B, S): document of each token (ids < 0: padding); span_ids (B, S): visual span of
     each visual token (>= 0; unique within a document), -1 for text."""
@@ -159,30 +193,22 @@ def build_meta(doc_ids_BS: Tensor, span_ids_BS: Tensor, block_size: int) -> Attn
     dev, Bs = doc_ids_BS.device, block_size
     B, S = doc_ids_BS.shape
     doc_BS, span_BS = doc_ids_BS.long(), span_ids_BS.long()
+    # 1. documents: rank of every token, its document's first token, aligned blocks
     rank_BS, first_BS, base_BS, blocks_B = _doc_ranks(doc_BS, Bs)
+    # 2. visual spans: key, last position and doc-relative block range (text: its own key)
     pos_BS = torch.arange(S, device=dev).expand(B, S)
     vis_BS = span_BS >= 0
-    skey_BS = -(pos_BS + 1)
-    span_last_BS = pos_BS.clone()
-    clo_BS = torch.full_like(doc_BS, NO_SPAN)
-    chi_BS = torch.full_like(doc_BS, -1)
-    has_spans = bool(vis_BS.any())
-    if has_spans:
-        b_BS = torch.arange(B, device=dev)[:, None].expand(B, S)
-        f_V, l_V = _group_extent(b_BS[vis_BS], doc_BS[vis_BS], pos_BS[vis_BS], span_BS[vis_BS])
-        skey_BS = skey_BS.masked_scatter(vis_BS, f_V)
-        span_last_BS = span_last_BS.masked_scatter(vis_BS, l_V)
-        b_V = b_BS[vis_BS]
-        clo_BS = clo_BS.masked_scatter(vis_BS, rank_BS[b_V, f_V] // Bs)
-        chi_BS = chi_BS.masked_scatter(vis_BS, rank_BS[b_V, l_V] // Bs)
-    run_start_BS = F.pad(doc_BS[:, 1:] != doc_BS[:, :-1], (1, 0), value=True)
-    contiguous = bool((run_start_BS == (first_BS == pos_BS)).all())
+    f_BS, l_BS = _span_extent(doc_BS, span_BS)
+    skey_BS = torch.where(vis_BS, f_BS, -(pos_BS + 1))
+    span_last_BS = torch.where(vis_BS, l_BS, pos_BS)
+    clo_BS = torch.where(vis_BS, rank_BS.gather(1, f_BS) // Bs, NO_SPAN)
+    chi_BS = torch.where(vis_BS, rank_BS.gather(1, l_BS) // Bs, -1)
+    # 3. what needs the host (has_spans, docs_contiguous, num_ablocks) is computed on first use
     return AttnMeta(
         block_size=Bs, seq_len=S, doc_BS=doc_BS, skey_BS=skey_BS, rank_BS=rank_BS, first_BS=first_BS,
         span_last_BS=span_last_BS, clo_BS=clo_BS, chi_BS=chi_BS, ablk_BS=base_BS + rank_BS // Bs,
-        base_BS=base_BS, vis_BS=vis_BS, has_spans=has_spans, docs_contiguous=contiguous,
-        num_ablocks=max(int(blocks_B.max()), 1) if S else 1, null=doc_BS.amin() - 1 if S else
-        doc_BS.new_tensor(-1),
+        base_BS=base_BS, vis_BS=vis_BS, blocks_B=blocks_B,
+        null=doc_BS.amin() - 1 if S else doc_BS.new_tensor(-1),
     )
 
 

@@ -143,12 +143,13 @@ def attend_rows(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, doc_BS: Tensor, 
 @torch.library.custom_op("mmtrain::sdpa_full", mutates_args=())
 def sdpa_full_op(q: Tensor, k: Tensor, v: Tensor, doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor,
                  group: int) -> Tensor:
-    return attend_rows(q, k, v, doc_BS, skey_BS, _rows_or_masked(doc_BS, skey_BS, span_last_BS, group))
+    rows = _rows_or_masked(doc_BS, skey_BS, span_last_BS, group)
+    return attend_rows(q, k, v, doc_BS, skey_BS, rows).contiguous()
 
 
-@sdpa_full_op.register_fake
+@sdpa_full_op.register_fake  # outputs contiguous (the real ones are made so)
 def _(q, k, v, doc_BS, skey_BS, span_last_BS, group):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 def _rows_or_masked(doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor, group: int) -> list[list[Segment]]:
@@ -199,12 +200,12 @@ def _backward_rows(grad, q, k, v, doc_BS, skey_BS, rows) -> tuple[Tensor, Tensor
 def sdpa_full_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, doc_BS: Tensor, skey_BS: Tensor,
                           span_last_BS: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
     rows = _rows_or_masked(doc_BS, skey_BS, span_last_BS, group)
-    return _backward_rows(grad, q, k, v, doc_BS, skey_BS, rows)
+    return _backward_rows(grad, q.contiguous(), k.contiguous(), v.contiguous(), doc_BS, skey_BS, rows)
 
 
 @sdpa_full_backward_op.register_fake
 def _(grad, q, k, v, doc_BS, skey_BS, span_last_BS, group):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):

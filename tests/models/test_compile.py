@@ -1,0 +1,65 @@
+"""torch.compile of the tiny model's blocks (as `dist.compile` applies it: every vision block and
+decoder layer): no graph break in the steady state (full layers' sdpa, sparse layers' selection +
+gather and fp32 grouped_mm MoE run as opaque custom ops), and the same loss and gradients as
+eager. aot_eager (Dynamo + AOTAutograd, what Inductor receives) keeps the test in seconds;
+Inductor itself is exercised by `tools.bench.bench_peer --compile`.
+Also: `build_meta` traces as one graph (no host synchronisation).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from mmtrain.models import DecoderConfig, ModelConfig, MoEConfig, MultimodalModel
+from mmtrain.models.attention import AttentionConfig, build_meta
+from mmtrain.models.attention.testing import random_batch as random_ids
+from mmtrain.models.vision import VisionConfig
+from torch._dynamo.utils import counters
+
+from tools.bench.bench_model import random_batch
+
+
+def tiny() -> ModelConfig:
+    attn = AttentionConfig(block_size=4, window=8, top_k=2, sink=True, visual_always=False)
+    return ModelConfig(vision=VisionConfig(dim=32, depth=2, n_heads=2),
+                       decoder=DecoderConfig(vocab_size=64, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                                             mrope_sections=(2, 3, 3), layer_layout="FS", attention=attn,
+                                             moe=MoEConfig(n_routed=4, top_k=2, expert_dim=16)))
+
+
+def loss_and_grads(model, batch):
+    out = model(**batch)
+    labels_BS = batch["tokens_BS"].roll(-1, dims=1)
+    loss = F.cross_entropy(out.logits_BSV.flatten(0, 1), labels_BS.flatten()) + sum(out.aux_losses.values())
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+    return loss.detach(), grads
+
+
+def test_compiled_blocks_no_graph_breaks_same_gradients(seed):
+    cfg = tiny()
+    eager = MultimodalModel(cfg).train()
+    compiled = copy.deepcopy(eager)
+    for blocks in (compiled.vision.blocks, compiled.decoder.layers):
+        for i, block in enumerate(blocks):
+            blocks[i] = torch.compile(block, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    for _ in range(3):  # new documents, spans and routing every step: no break, no per-batch graph
+        batch = random_batch(cfg, 2, 96, 0.25, 4)
+        (l_c, g_c), (l_e, g_e) = loss_and_grads(compiled, batch), loss_and_grads(eager, batch)
+        assert torch.allclose(l_c, l_e, atol=1e-5), (l_c, l_e)
+        for a, b in zip(g_c, g_e):
+            if b is not None:
+                assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
+    assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+
+
+def test_build_meta_has_no_host_sync():
+    doc_BS, span_BS = random_ids(2, 64, 4)
+    explained = torch._dynamo.explain(build_meta)(doc_BS, span_BS, 4)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    meta = build_meta(doc_BS, span_BS, 4)  # the host values are computed on first use
+    assert meta.has_spans == bool((span_BS >= 0).any()) and meta.num_ablocks >= 1
