@@ -71,22 +71,27 @@ def sparse_attend_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, doc
         return tuple(g.contiguous() for g in torch.autograd.grad(out, xs, grad))
 
 
-@sparse_attend_backward_op.register_fake
-def _(grad, q, k, v, doc_BS, skey_BS, vis_BS, cfg_json):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def register_qkv_backward(op, backward_op) -> None:
+    """Wire an attention op `op(q, k, v, *six_tensors_and_consts)` to `backward_op(grad, q, k, v,
+    ...)` -> (dq, dk, dv): the fake backward (contiguous gradients) and the autograd formula.
+    The op's inputs are 6 tensors then one non-tensor constant."""
+
+    @backward_op.register_fake
+    def _(grad, q, k, v, *rest):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:6])
+        ctx.const = inputs[6]
+
+    def backward(ctx, grad):
+        dq, dk, dv = backward_op(grad.contiguous(), *ctx.saved_tensors, ctx.const)
+        return dq, dk, dv, None, None, None, None
+
+    op.register_autograd(backward, setup_context=setup)
 
 
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:6])
-    ctx.cfg_json = inputs[6]
-
-
-def _backward(ctx, grad):
-    dq, dk, dv = sparse_attend_backward_op(grad.contiguous(), *ctx.saved_tensors, ctx.cfg_json)
-    return dq, dk, dv, None, None, None, None
-
-
-sparse_attend_op.register_autograd(_backward, setup_context=_setup)
+register_qkv_backward(sparse_attend_op, sparse_attend_backward_op)
 
 
 @torch.compiler.assume_constant_result  # evaluated once when traced, a constant in the graph

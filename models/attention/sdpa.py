@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .meta import token_mask
+from .opaque import register_qkv_backward
 
 Tensor = torch.Tensor
 PATCH_GAP = 64  # spans closer than this are recomputed in one patch
@@ -203,22 +204,7 @@ def sdpa_full_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, doc_BS:
     return _backward_rows(grad, q.contiguous(), k.contiguous(), v.contiguous(), doc_BS, skey_BS, rows)
 
 
-@sdpa_full_backward_op.register_fake
-def _(grad, q, k, v, doc_BS, skey_BS, span_last_BS, group):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:6])
-    ctx.group = inputs[6]
-
-
-def _backward(ctx, grad):
-    dq, dk, dv = sdpa_full_backward_op(grad.contiguous(), *ctx.saved_tensors, ctx.group)
-    return dq, dk, dv, None, None, None, None
-
-
-sdpa_full_op.register_autograd(_backward, setup_context=_setup)
+register_qkv_backward(sdpa_full_op, sdpa_full_backward_op)
 
 
 def attend_sdpa_full(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta, group: int) -> Tensor | None:

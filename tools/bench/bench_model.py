@@ -3,7 +3,7 @@ peak measured in the same run.
 
     python -m tools.bench.bench_model --config configs/tiny.yaml              # CPU, fp32
     python -m tools.bench.bench_model --config configs/small.yaml --device cuda --dtype bf16 \
-        --batch 4 --seq-len 4096
+        --batch 4 --seq-len 4096 --compile
     python -m tools.bench.bench_model --config configs/base.yaml --count-only # parameters only
 
 The model section of the run config is used; the data section is not (batches are random).
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--backend", default=None, help="override attention backend (auto, dense, gather, flex)")
     ap.add_argument("--peak-n", type=int, default=None, help="matmul size for the peak (2048 CPU, 8192 CUDA)")
+    ap.add_argument("--compile", action="store_true", help="compile every block (inductor), as dist.compile")
     ap.add_argument("--count-only", action="store_true")
     args = ap.parse_args(argv)
 
@@ -114,10 +115,20 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = MultimodalModel(cfg).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    eager = model
+    if args.compile:  # as mmtrain/parallelize.py applies dist.compile: every vision block and layer
+        import copy
+
+        eager = copy.deepcopy(model)  # the FLOP count's forward (attention statistics) runs eagerly
+        for blocks in (model.vision.blocks, model.decoder.layers):
+            for i, block in enumerate(blocks):
+                blocks[i] = torch.compile(block)
     batches = [{k: v.to(device) for k, v in random_batch(cfg, args.batch, args.seq_len, args.visual_share,
                                                            args.frame).items()} for _ in range(2)]
     for i in range(args.warmup):
         train_step(model, opt, batches[i % 2], dtype)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for i in range(args.steps):
         _sync(device)
@@ -133,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     vis_frac = float((b["modality_BS"] != 0).float().mean())
     ppm = b["patches_NP"].shape[0] / max(b["grid_thw_M3"].shape[0], 1)
     with torch.no_grad():  # the keys each layer really attends on this batch (documents, sparsity)
-        stats = model(**b, attn_stats=True, compute_logits=False).attn_stats
+        stats = eager(**b, attn_stats=True, compute_logits=False).attn_stats
     keys = {i: float(st["keys"] / st["tokens"]) for i, st in stats.items()}
     flops_tok = model.flops_per_token(args.seq_len, vis_frac, int(ppm), keys)
     peak = matmul_peak(device, dtype, args.peak_n or (8192 if device.type == "cuda" else 2048))
@@ -145,7 +156,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"step best {step_s * 1e3:.1f} ms (median {median_s * 1e3:.1f}), {tps:,.0f} tokens/s, "
           f"{flops_tok / 1e9:.4f} GFLOP/token, "
           f"model {flops_tok * tps / 1e12:.3f} TFLOP/s, matmul peak {peak / 1e12:.3f} TFLOP/s, "
-          f"MFU {flops_tok * tps / peak:.1%}")
+          f"MFU {flops_tok * tps / peak:.1%}{_peak_memory(device)}" + (", compiled" if args.compile else ""))
+
+
+def _peak_memory(device: torch.device) -> str:
+    if device.type != "cuda":
+        return ""
+    return f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
 
 
 if __name__ == "__main__":
