@@ -34,6 +34,9 @@ class AttentionConfig:
     gather_checkpoint: bool = True  # recompute each chunk in backward: O(S*D) saved, not O(S*k*B)
     full_tile: int = 64  # query tokens per tile of a full layer's gather path (it has no blocks)
     sdpa_group: int = 256  # sdpa: documents up to this long are grouped into masked calls (sdpa.py)
+    # gather's tile attention: "sdpa" = one fused SDPA call per chunk of tiles with the tile's rule
+    # as a mask; "eager" = matmul + masked softmax + matmul (the reference).
+    gather_kernel: Literal["sdpa", "eager"] = "sdpa"
 
     def __post_init__(self) -> None:
         check(self, "backend", choices=BACKENDS)

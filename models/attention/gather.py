@@ -36,7 +36,8 @@ _MAX_SCORE_ELEMS = 2**25  # cap on a chunk's score tensor (elements), whatever g
 
 
 def _chunk(q_BGCMD: Tensor, k_BGXbD: Tensor, v_BGXbD: Tensor, idx_BGCT: Tensor, doc_BXb: Tensor,
-           skey_BXb: Tensor, pos_Xb: Tensor, c0: int, keep_BGCbT: Tensor | None) -> Tensor:
+           skey_BXb: Tensor, pos_Xb: Tensor, c0: int, keep_BGCbT: Tensor | None, fused: bool = False
+           ) -> Tensor:
     B, G, C, M, D = q_BGCMD.shape
     X1, T, Bs = k_BGXbD.shape[2], idx_BGCT.shape[-1], k_BGXbD.shape[-2]
     # index_select on flattened blocks: its backward is an index_add (advanced indexing's
@@ -56,11 +57,27 @@ def _chunk(q_BGCMD: Tensor, k_BGXbD: Tensor, v_BGXbD: Tensor, idx_BGCT: Tensor, 
         (kpos_BGCJ[:, :, :, None] <= qpos_1Cb1) | (skey_B1Cb1 == skey_BGCJ[:, :, :, None]))
     if keep_BGCbT is not None:
         mask_BGCbJ = mask_BGCbJ & keep_BGCbT.repeat_interleave(Bs, -1)
+    if fused:
+        return _fused(q_BGCMD, k_BGCJD, v_BGCJD, mask_BGCbJ)
     s_BGCMJ = q_BGCMD @ k_BGCJD.transpose(-1, -2)
     s_BGCMJ = s_BGCMJ.to(torch.promote_types(s_BGCMJ.dtype, torch.float32))
     s_BGCRbJ = s_BGCMJ.view(B, G, C, M // Bs, Bs, T * Bs).masked_fill(~mask_BGCbJ[:, :, :, None], -math.inf)
     p_BGCMJ = s_BGCRbJ.softmax(-1).view(B, G, C, M, T * Bs)
     return p_BGCMJ.to(v_BGCJD.dtype) @ v_BGCJD
+
+
+def _fused(q_BGCMD: Tensor, k_BGCJD: Tensor, v_BGCJD: Tensor, mask_BGCbJ: Tensor) -> Tensor:
+    """The same tile attention as one fused SDPA call: every tile a batch entry of one head (4-D,
+    so CPU runs its flash kernel), the tile's rule as an additive mask (q is scaled already)."""
+    B, G, C, M, D = q_BGCMD.shape
+    Bs, J = mask_BGCbJ.shape[-2:]
+    N = B * G * C
+    bias_BGCbJ = torch.zeros(mask_BGCbJ.shape, dtype=q_BGCMD.dtype, device=q_BGCMD.device).masked_fill(
+        ~mask_BGCbJ, -math.inf)
+    bias_N1MJ = bias_BGCbJ[:, :, :, None].expand(B, G, C, M // Bs, Bs, J).reshape(N, 1, M, J)
+    out_N1MD = F.scaled_dot_product_attention(q_BGCMD.reshape(N, 1, M, D), k_BGCJD.reshape(N, 1, J, D),
+                                              v_BGCJD.reshape(N, 1, J, D), attn_mask=bias_N1MJ, scale=1.0)
+    return out_N1MD.view(B, G, C, M, D)
 
 
 def _tiles(x_BHPD: Tensor, G: int, X: int, Bs: int) -> Tensor:
@@ -84,7 +101,7 @@ def _kv_blocks(x_BKPD: Tensor, G: int, Bs: int) -> Tensor:
     return x_BKPD.view(B, G, P // Bs + 1, Bs, D)
 
 
-def _run(q_BGXMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, chunk, ckpt, lists) -> Tensor:
+def _run(q_BGXMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, chunk, ckpt, lists, fused=False) -> Tensor:
     """Loop over chunks of tiles; `lists(c0, C)` -> (idx_BGCT, keep_BGCbT or None)."""
     B, G, X, M, D = q_BGXMD.shape
     Bs = k_BGXbD.shape[-2]
@@ -94,7 +111,7 @@ def _run(q_BGXMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, chunk, ckpt, lists) -> Te
     while c0 < X:
         idx_BGCT, keep_BGCbT = lists(c0, min(C, X - c0))
         args = (q_BGXMD[:, :, c0:c0 + idx_BGCT.shape[2]], k_BGXbD, v_BGXbD, idx_BGCT, doc_BXb, skey_BXb,
-                pos_Xb, c0, keep_BGCbT)
+                pos_Xb, c0, keep_BGCbT, fused)
         outs.append(checkpoint(_chunk, *args, use_reentrant=False) if ckpt else _chunk(*args))
         c0 += idx_BGCT.shape[2]
     return torch.cat(outs, dim=2)
@@ -129,7 +146,8 @@ def attend_gather_sparse(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: A
 
     C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
     ckpt = _wants_ckpt(cfg.gather_checkpoint, q_BHSD, k_BKSD, v_BKSD)
-    out_BGAMD = _run(q_BGAMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, C, ckpt, lists)
+    fused = cfg.gather_kernel == "sdpa"
+    out_BGAMD = _run(q_BGAMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, C, ckpt, lists, fused)
     return from_aligned(_untile(out_BGAMD, H, Bs), meta).to(q_BHSD.dtype)
 
 
@@ -157,5 +175,6 @@ def attend_gather_full(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: Att
 
     C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
     ckpt = _wants_ckpt(cfg.gather_checkpoint, q_BHSD, k_BKSD, v_BKSD)
-    out_BKQMD = _run(q_BKQMD, k_BKXbD, v_BKXbD, doc_BXb, skey_BXb, C, ckpt, lists)
+    fused = cfg.gather_kernel == "sdpa"
+    out_BKQMD = _run(q_BKQMD, k_BKXbD, v_BKXbD, doc_BXb, skey_BXb, C, ckpt, lists, fused)
     return _untile(out_BKQMD, H, Bs)[:, :, :S].to(q_BHSD.dtype)

@@ -44,6 +44,7 @@ def test_gather_matches_dense(seed, sparse, select_per, H, K):
     ref = run(q, k, v, meta, AttentionConfig(backend="dense", dense_impl="eager", **common), sparse, w)
     gcfg = AttentionConfig(backend="gather", gather_chunk=random.randint(1, 6),
                            full_tile=random.choice([3, 8, 64]),
+                           gather_kernel=random.choice(["sdpa", "eager"]),
                            gather_checkpoint=random.random() < 0.5, **common)
     for name, a, b in zip(("out", "dq", "dk", "dv"), run(q, k, v, meta, gcfg, sparse, w), ref):
         assert rel_err(a, b) < 1e-4, f"seed={seed} {name} rel err {rel_err(a, b):.2e} cfg={gcfg}"
