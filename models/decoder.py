@@ -16,6 +16,7 @@ from torch import nn
 from mmtrain.checks import check
 
 from .attention import AttentionConfig, build_meta
+from .chunked import over_tokens
 from .ffn import SwiGLU
 from .moe import MoE, MoEConfig
 from .norms import RMSNorm
@@ -38,6 +39,9 @@ class DecoderConfig:
     qk_norm: bool = True
     tie_embeddings: bool = False
     layer_layout: str = "FSSS"  # repeated over layers: F full attention, S sparse
+    # FFN / MoE experts on chunks of this many tokens, each checkpointed (0: all at once). For
+    # long context: bounds the FFN's share of a layer's recompute memory (models/chunked.py).
+    ffn_chunk: int = 0
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig | None = None
     init_std: float = 0.02
@@ -58,6 +62,7 @@ class DecoderConfig:
         if not self.layer_layout or set(self.layer_layout) - {"F", "S"}:
             raise ValueError(f"layer_layout: a non-empty string of F and S (got {self.layer_layout!r})")
         check(self, "init_std", gt=0)
+        check(self, "ffn_chunk", ge=0)
 
     @property
     def head_dim(self) -> int:
@@ -77,7 +82,9 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = SelfAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.qk_norm, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn = MoE(cfg.dim, cfg.moe) if cfg.is_moe(layer) else SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.ffn_chunk = cfg.ffn_chunk
+        self.ffn = (MoE(cfg.dim, cfg.moe, cfg.ffn_chunk) if cfg.is_moe(layer)
+                    else SwiGLU(cfg.dim, cfg.ffn_dim))
 
     def forward(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor, meta, attn_cfg: AttentionConfig,
                 modality_BS: Tensor, capture: dict | None = None,
@@ -93,7 +100,8 @@ class DecoderLayer(nn.Module):
         if isinstance(self.ffn, MoE):
             y_BSD, aux = self.ffn(h_BSD, modality_BS, real_BS)
             return x_BSD + y_BSD, aux
-        return x_BSD + self.ffn(h_BSD), {}
+        y_TD = over_tokens(self.ffn, self.ffn_chunk, h_BSD.flatten(0, 1))
+        return x_BSD + y_TD.view_as(x_BSD), {}
 
 
 @dataclass

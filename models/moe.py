@@ -27,6 +27,7 @@ from torch import nn
 
 from mmtrain.checks import check
 
+from .chunked import over_tokens
 from .ffn import SwiGLU
 from .moe_dispatch import count, run_experts
 
@@ -114,9 +115,10 @@ def seq_balance_loss(p_BSE: Tensor, chosen_BSE: Tensor, group_BS: Tensor, group_
 
 
 class MoE(nn.Module):
-    def __init__(self, dim: int, cfg: MoEConfig) -> None:
+    def __init__(self, dim: int, cfg: MoEConfig, token_chunk: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.token_chunk = token_chunk  # experts run on chunks of this many tokens (0: all at once)
         E, hidden = cfg.n_routed, cfg.expert_dim
         self.router = nn.Linear(dim, E, bias=False)
         self.w_in_EDF2 = nn.Parameter(torch.empty(E, dim, 2 * hidden))  # gate | up per expert
@@ -157,11 +159,14 @@ class MoE(nn.Module):
         with torch.autocast(x_TD.device.type, enabled=False):  # fp32 routing: selection and z-loss
             logits_TE = F.linear(x_TD.float(), self.router.weight.float())  # are precision-sensitive
         idx_TK, w_TK, p_TE = route(logits_TE, self.expert_bias_E, allowed_TE, cfg)
-        y_TD = run_experts(x_TD, idx_TK, w_TK, self.w_in_EDF2, self.w_out_EFD, cfg.dispatch, real_T)
-        if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+        y_TD = over_tokens(self.experts, self.token_chunk, x_TD, idx_TK, w_TK, real_T)
         aux = self._aux(logits_TE, allowed_TE, idx_TK, p_TE, group_T, mod_T, real_T, B, S)
         return y_TD.view(B, S, D).to(x_BSD.dtype), aux
+
+    def experts(self, x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor, real_T: Tensor) -> Tensor:
+        """The routed experts' weighted sum plus the shared expert, per token."""
+        y_TD = run_experts(x_TD, idx_TK, w_TK, self.w_in_EDF2, self.w_out_EFD, self.cfg.dispatch, real_T)
+        return y_TD if self.shared is None else y_TD + self.shared(x_TD)
 
     def _aux(self, logits_TE, allowed_TE, idx_TK, p_TE, group_T, mod_T, real_T, B, S) -> dict[str, Tensor]:
         cfg, E = self.cfg, self.cfg.n_routed
