@@ -3,8 +3,8 @@ in running text, e.g. models/attention/meta.py, tools/bench/bench_long.py, confi
 in the checkout, and every backticked bare file name (`select.py`) is somewhere in it.
 
 Not checked: runs/ and data/ (what training and `mmtrain data synth` write), placeholders
-(`RUN/step_<N>`, globs, brace ranges), files a run writes (`config.yaml`), and files an experiment writes into its docs/experiments/
-folder (outputs; the folder itself must exist).
+(`RUN/step_<N>`, globs, brace ranges), files a run writes (`config.yaml`), and files an experiment
+writes into its docs/experiments/ folder (outputs; the folder itself must exist).
 """
 
 from __future__ import annotations
