@@ -159,7 +159,9 @@ def experts_sorted(x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor, w_in_EDF2: Tensor
     dt, E = compute_dtype(x_TD), w_in_EDF2.shape[0]
     token_R, slot_R, expert_R, counts_E = sort_by_expert(idx_TK, E)
     routed_R1 = (expert_R < E)[:, None]
-    x_RD = torch.where(routed_R1, x_TD.to(dt)[token_R], 0)
+    # index_select, not advanced indexing: its backward is an index_add, where x[idx]'s is an
+    # index_put with accumulate (several times slower on CPU)
+    x_RD = torch.where(routed_R1, x_TD.to(dt).index_select(0, token_R), 0)
     w_in, w_out = w_in_EDF2.to(dt), w_out_EFD.to(dt)
     if path == "grouped_mm":
         y_RD = _experts_grouped(x_RD, counts_E, w_in, w_out)
@@ -167,7 +169,8 @@ def experts_sorted(x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor, w_in_EDF2: Tensor
         y_RD = _experts_batched(x_RD, expert_R, counts_E, w_in, w_out)
     else:
         raise ValueError(f"dispatch: must be one of {DISPATCH_PATHS} (got {path!r})")
-    y_RD = torch.where(routed_R1, y_RD * w_TK[token_R, slot_R, None].to(y_RD.dtype), 0)
+    w_R1 = w_TK.reshape(-1).index_select(0, token_R * w_TK.shape[1] + slot_R)[:, None]
+    y_RD = torch.where(routed_R1, y_RD * w_R1.to(y_RD.dtype), 0)
     return torch.zeros_like(x_TD).index_add(0, token_R, y_RD.to(x_TD.dtype))  # sum the K rows
 
 
