@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import IMAGE, MODALITY_NAMES, TASK_NAMES, TEXT, VIDEO, PackedBatch
 from mmtrain.evaluate import MEDIA_TASKS, blank_media
 from mmtrain.models.attention import AttentionConfig, build_meta, even_subset, row_stats, text_rows
@@ -85,14 +86,9 @@ class DiagConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{name}: must be a finite number (got {value!r})")
-        if not 0 <= self.min_attention_mass <= 1:
-            raise ValueError(f"min_attention_mass: must be in [0, 1] (got {self.min_attention_mass})")
-        if self.min_effective_rank < 0:
-            raise ValueError(f"min_effective_rank: must be >= 0 (got {self.min_effective_rank})")
-        if self.max_expert_load_ratio < 1:
-            raise ValueError(f"max_expert_load_ratio: must be >= 1 (got {self.max_expert_load_ratio})")
-        if self.min_router_entropy < 0:
-            raise ValueError(f"min_router_entropy: must be >= 0 (got {self.min_router_entropy})")
+        check(self, "min_attention_mass", ge=0, le=1)
+        check(self, "min_effective_rank", "min_router_entropy", ge=0)
+        check(self, "max_expert_load_ratio", ge=1)
 
 
 @dataclass
