@@ -67,17 +67,18 @@ def _chunk(q_BGCMD: Tensor, k_BGXbD: Tensor, v_BGXbD: Tensor, idx_BGCT: Tensor, 
 
 
 def _fused(q_BGCMD: Tensor, k_BGCJD: Tensor, v_BGCJD: Tensor, mask_BGCbJ: Tensor) -> Tensor:
-    """The same tile attention as one fused SDPA call: every tile a batch entry of one head (4-D,
-    so CPU runs its flash kernel), the tile's rule as an additive mask (q is scaled already)."""
+    """The same tile attention as one fused SDPA call: every tile a batch entry whose R query heads
+    share its one key head (GQA; 4-D, so CPU runs its flash kernel), the tile's rule as an additive
+    mask broadcast over the heads (q is scaled already)."""
     B, G, C, M, D = q_BGCMD.shape
     Bs, J = mask_BGCbJ.shape[-2:]
-    N = B * G * C
-    bias_BGCbJ = torch.zeros(mask_BGCbJ.shape, dtype=q_BGCMD.dtype, device=q_BGCMD.device).masked_fill(
-        ~mask_BGCbJ, -math.inf)
-    bias_N1MJ = bias_BGCbJ[:, :, :, None].expand(B, G, C, M // Bs, Bs, J).reshape(N, 1, M, J)
-    out_N1MD = F.scaled_dot_product_attention(q_BGCMD.reshape(N, 1, M, D), k_BGCJD.reshape(N, 1, J, D),
-                                              v_BGCJD.reshape(N, 1, J, D), attn_mask=bias_N1MJ, scale=1.0)
-    return out_N1MD.view(B, G, C, M, D)
+    N, R = B * G * C, M // Bs
+    bias_N1bJ = torch.zeros((N, 1, Bs, J), dtype=q_BGCMD.dtype, device=q_BGCMD.device).masked_fill(
+        ~mask_BGCbJ.reshape(N, 1, Bs, J), -math.inf)
+    out_NRbD = F.scaled_dot_product_attention(q_BGCMD.reshape(N, R, Bs, D), k_BGCJD.reshape(N, 1, J, D),
+                                              v_BGCJD.reshape(N, 1, J, D), attn_mask=bias_N1bJ, scale=1.0,
+                                              enable_gqa=R > 1)
+    return out_NRbD.reshape(B, G, C, M, D)
 
 
 def _tiles(x_BHPD: Tensor, G: int, X: int, Bs: int) -> Tensor:
