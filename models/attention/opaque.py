@@ -65,9 +65,14 @@ def _(q, k, v, doc_BS, skey_BS, vis_BS, cfg_json):
 @torch.library.custom_op("mmtrain::sparse_attend_backward", mutates_args=())
 def sparse_attend_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, doc_BS: Tensor, skey_BS: Tensor,
                               vis_BS: Tensor, cfg_json: str) -> tuple[Tensor, Tensor, Tensor]:
+    return recompute_grads(lambda *qkv: _attend(*qkv, doc_BS, skey_BS, vis_BS, cfg_json), grad, q, k, v)
+
+
+def recompute_grads(fn, grad: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of fn(q, k, v) against grad, recomputed with autograd inside a custom op."""
     with _autograd_inside_op():
         xs = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = _attend(*xs, doc_BS, skey_BS, vis_BS, cfg_json)
+        out = fn(*xs)
         return tuple(g.contiguous() for g in torch.autograd.grad(out, xs, grad))
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .meta import token_mask
-from .opaque import register_qkv_backward
+from .opaque import recompute_grads, register_qkv_backward
 
 Tensor = torch.Tensor
 PATCH_GAP = 64  # spans closer than this are recomputed in one patch
@@ -201,6 +201,8 @@ def _backward_rows(grad, q, k, v, doc_BS, skey_BS, rows) -> tuple[Tensor, Tensor
 def sdpa_full_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, doc_BS: Tensor, skey_BS: Tensor,
                           span_last_BS: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
     rows = _rows_or_masked(doc_BS, skey_BS, span_last_BS, group)
+    if q.device.type != "cpu":  # aten's flash ops above are the CPU ones: recompute with autograd
+        return recompute_grads(lambda *qkv: attend_rows(*qkv, doc_BS, skey_BS, rows), grad, q, k, v)
     return _backward_rows(grad, q.contiguous(), k.contiguous(), v.contiguous(), doc_BS, skey_BS, rows)
 
 

@@ -91,3 +91,22 @@ def test_auto_is_sdpa_for_full_layers_on_cpu():
     q = torch.zeros(1, 2, 8, 4)
     assert resolve_backend(AttentionConfig(), q, meta, sparse=False) == "sdpa"
     assert resolve_backend(AttentionConfig(backend="sdpa"), q, meta, sparse=True) == "gather"
+
+
+def test_recompute_grads_inside_a_custom_op(seed):
+    """The generic backward of the opaque ops (sdpa's on CUDA, the sparse op's everywhere):
+    autograd re-enabled inside a custom op gives SDPA's own gradients."""
+    from mmtrain.models.attention.opaque import recompute_grads
+
+    @torch.library.custom_op("mmtrain_test::recompute", mutates_args=())
+    def grads_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return recompute_grads(lambda *x: torch.nn.functional.scaled_dot_product_attention(
+            *x, is_causal=True, enable_gqa=True), grad, q, k, v)
+
+    q, k, v = random_qkv(1, 4, 2, 24, 8)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    w = torch.randn_like(out)
+    ref = torch.autograd.grad((out * w).sum(), (q, k, v))
+    for a, b in zip(grads_op(w, q.detach(), k.detach(), v.detach()), ref):
+        assert rel_err(a, b) < 1e-5
