@@ -23,7 +23,9 @@ import json
 import torch
 
 from .config import AttentionConfig
+from .gather import attend_gather_sparse
 from .meta import build_meta
+from .select import select_blocks
 
 Tensor = torch.Tensor
 
@@ -34,10 +36,10 @@ def _meta(doc_BS: Tensor, skey_BS: Tensor, vis_BS: Tensor, block_size: int):
 
 
 def _attend(q, k, v, doc_BS, skey_BS, vis_BS, cfg_json: str) -> Tensor:
-    from .api import attend  # api routes here under compile: import late
-
+    """What `attend` runs eagerly for a sparse layer on the gather backend: selection + gather."""
     cfg = AttentionConfig(**json.loads(cfg_json))
-    return attend(q, k, v, _meta(doc_BS, skey_BS, vis_BS, cfg.block_size), cfg, sparse=True)
+    meta = _meta(doc_BS, skey_BS, vis_BS, cfg.block_size)
+    return attend_gather_sparse(q, k, v, meta, cfg, select_blocks(q, k, meta, cfg)).to(q.dtype)
 
 
 @contextlib.contextmanager
