@@ -43,5 +43,5 @@ class AttentionConfig:
         check(self, "select_per", choices=("head", "kv_group"))
         check(self, "select", choices=("token", "block"))
         check(self, "dense_impl", "gather_kernel", choices=("sdpa", "eager"))
-        check(self, "block_size", "full_tile", "gather_chunk", "sdpa_group", ge=1)
-        check(self, "window", "top_k", ge=0)
+        check(self, "block_size", "full_tile", "gather_chunk", ge=1)
+        check(self, "window", "top_k", "sdpa_group", ge=0)  # sdpa_group 0: no grouping
