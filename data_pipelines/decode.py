@@ -13,11 +13,12 @@ import warnings
 from typing import NamedTuple
 
 import numpy as np
+from PIL import Image, ImageOps
+
 from mmtrain.data_pipelines import ledger as L
 from mmtrain.data_pipelines.config import MediaConfig
 from mmtrain.data_pipelines.ledger import SkipSample
 from mmtrain.data_pipelines.preprocess import plan_size
-from PIL import Image, ImageOps
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 VIDEO_EXTS = ("mp4", "webm", "mkv")

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from mmtrain.data_pipelines import ledger as L
 from mmtrain.data_pipelines.batch import (
     IGNORE_INDEX,

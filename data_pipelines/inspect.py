@@ -11,6 +11,7 @@ import argparse
 import json
 
 import yaml
+
 from mmtrain.data_pipelines.config import DataConfig, MediaConfig, SourceConfig
 from mmtrain.data_pipelines.documents import KINDS
 from mmtrain.data_pipelines.errors import DataError

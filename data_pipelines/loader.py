@@ -18,6 +18,8 @@ from typing import Literal
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
 from mmtrain.data_pipelines.agree import rank_sync
 from mmtrain.data_pipelines.batch import TEXT, PackedBatch
 from mmtrain.data_pipelines.config import DataConfig
@@ -29,7 +31,6 @@ from mmtrain.data_pipelines.rng import CounterRng, hash64
 from mmtrain.data_pipelines.shards import ReadOptions, ShardPlan, expand_shards
 from mmtrain.data_pipelines.stream import SourceStream, fetch
 from mmtrain.data_pipelines.tokenizer import Tokenizer
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 STATE_VERSION = 1
 

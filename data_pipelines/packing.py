@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_PAD, TEXT, PackedBatch
 from mmtrain.data_pipelines.documents import Document
 

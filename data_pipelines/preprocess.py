@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 from einops import rearrange
+from PIL import Image
+
 from mmtrain.data_pipelines.batch import IMAGE, VIDEO
 from mmtrain.data_pipelines.config import MediaConfig
-from PIL import Image
 
 
 def plan_size(h: int, w: int, media: MediaConfig, max_pixels: int | None = None) -> tuple[int, int]:

@@ -13,9 +13,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmtrain.data_pipelines.errors import DataError
 from tokenizers import Tokenizer as _HFTok
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from mmtrain.data_pipelines.errors import DataError
 
 SPECIAL_TOKENS = (
     "<|pad|>",

@@ -23,9 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import webdataset as wds
+from PIL import Image
+
 from mmtrain.data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS
 from mmtrain.data_pipelines.errors import DataError
-from PIL import Image
 
 CONVERTIBLE = ("gif", "bmp", "tif", "tiff", "ppm", "pgm", "tga")
 

@@ -15,10 +15,10 @@ import sys
 from collections import defaultdict
 
 import torch
+
 from mmtrain.data_pipelines.batch import TASK_NAMES
 from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.synth.world import COLOR_NAMES, MOTIONS, POSITIONS, SHAPES, SIZES
-
 from mmtrain.errors import run_guarded
 from mmtrain.evaluate import blank_media
 from mmtrain.loading import checkpoint_line, load_model

@@ -16,8 +16,9 @@ from types import MappingProxyType
 import av
 import decord
 import numpy as np
-from mmtrain.data_pipelines.synth.world import Obj, color_rgb
 from PIL import Image, ImageDraw
+
+from mmtrain.data_pipelines.synth.world import Obj, color_rgb
 
 # Radius of an object as a fraction of a grid cell; large objects still fit inside their cell.
 RADIUS = MappingProxyType({"small": 0.22, "large": 0.40})

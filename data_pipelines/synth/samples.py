@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+
 from mmtrain.data_pipelines.synth import render, world
 from mmtrain.data_pipelines.synth.config import KINDS, SPLITS, SynthConfig
 

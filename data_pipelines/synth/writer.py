@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import webdataset as wds
+
 from mmtrain.data_pipelines.errors import DataError
 from mmtrain.data_pipelines.synth.config import KINDS, SPLITS, SynthConfig
 from mmtrain.data_pipelines.synth.render import decord_reads, video_codec

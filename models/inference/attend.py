@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
 from mmtrain.models.attention.blocks import kept
 from mmtrain.models.attention.config import AttentionConfig
 from mmtrain.models.attention.meta import NO_SPAN

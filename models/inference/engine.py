@@ -18,6 +18,7 @@ heads, E head dim, C cache capacity, N = C / Bs blocks, Q visual tokens.
 from __future__ import annotations
 
 import torch
+
 from mmtrain.models.attention import AttnMeta, attend, build_meta
 from mmtrain.models.attention.config import AttentionConfig
 from mmtrain.models.decoder import scatter_visual

@@ -10,8 +10,9 @@ from pathlib import Path
 import av
 import numpy as np
 import webdataset as wds
-from mmtrain.data_pipelines.config import DataConfig, MediaConfig, SourceConfig
 from PIL import Image
+
+from mmtrain.data_pipelines.config import DataConfig, MediaConfig, SourceConfig
 
 
 def image_bytes(h: int = 24, w: int = 40, fmt: str = "PNG", mode: str = "RGB", seed=None) -> bytes:

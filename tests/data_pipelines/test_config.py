@@ -1,4 +1,5 @@
 import pytest
+
 from mmtrain.data_pipelines.config import DataConfig, MediaConfig, SourceConfig
 
 

@@ -3,9 +3,10 @@ import io
 import numpy as np
 import pytest
 from dp_shards import image_bytes, small_media, video_bytes
+from PIL import Image
+
 from mmtrain.data_pipelines.decode import decode_image, decode_text, decode_video, sample_frame_indices
 from mmtrain.data_pipelines.ledger import SkipSample
-from PIL import Image
 
 
 def _png(im: Image.Image, **save) -> bytes:

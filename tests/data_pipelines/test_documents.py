@@ -3,6 +3,7 @@ import json
 import numpy as np
 import pytest
 from dp_shards import data_cfg, image_bytes, small_media, video_bytes
+
 from mmtrain.data_pipelines.batch import (
     IGNORE_INDEX,
     IMAGE,

@@ -23,6 +23,7 @@ import pytest
 import yaml
 from dp_shards import data_cfg
 from fuzz_corpus import LIMITS, build
+
 from mmtrain.data_pipelines.config import MediaConfig
 from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.tokenizer import ByteTokenizer

@@ -2,6 +2,7 @@ import argparse
 import json
 
 from dp_shards import bad_shards, make_folder, make_jsonl
+
 from mmtrain.data_pipelines import inspect, write
 
 

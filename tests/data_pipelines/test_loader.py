@@ -6,6 +6,7 @@ import pytest
 import torch
 from dp_shards import bad_shards as make_bad_shards
 from dp_shards import data_cfg, mixed_samples, text_shards, write_tar
+
 from mmtrain.data_pipelines.config import SourceConfig
 from mmtrain.data_pipelines.errors import DataError
 from mmtrain.data_pipelines.loader import WorkerPipeline, _Source, build_loader

@@ -2,6 +2,7 @@ import itertools
 import random
 
 from dp_shards import data_cfg, text_shards
+
 from mmtrain.data_pipelines.config import SourceConfig
 from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.mixing import Mixer

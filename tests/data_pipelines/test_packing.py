@@ -1,6 +1,7 @@
 import random
 
 import numpy as np
+
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, IMAGE, TASK_PAD, TEXT, VIDEO
 from mmtrain.data_pipelines.documents import Document
 from mmtrain.data_pipelines.packing import Packer, assemble

@@ -1,5 +1,6 @@
 import numpy as np
 from dp_shards import small_media
+
 from mmtrain.data_pipelines.batch import IMAGE, VIDEO
 from mmtrain.data_pipelines.preprocess import Decoded, patchify, plan_size, to_medium
 

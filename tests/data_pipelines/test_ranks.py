@@ -29,6 +29,7 @@ def rank_main(rank: int, port: int, spec_file: str, out: str) -> None:
 
     sys.path.insert(0, str(HERE.parent))
     from dp_shards import data_cfg
+
     from mmtrain.data_pipelines.errors import DataError
     from mmtrain.data_pipelines.loader import build_loader
     from mmtrain.data_pipelines.tokenizer import ByteTokenizer

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 from dp_shards import text_shards, write_raw_tar, write_tar
+
 from mmtrain.data_pipelines.errors import DataError
 from mmtrain.data_pipelines.shards import ReadOptions, ShardPlan, expand_shards, expand_spec, iter_shard
 

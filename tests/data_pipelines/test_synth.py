@@ -11,10 +11,11 @@ import decord
 import numpy as np
 import pytest
 import webdataset as wds
+from PIL import Image
+
 from mmtrain.data_pipelines.errors import DataError
 from mmtrain.data_pipelines.synth import KINDS, SPLITS, SynthConfig, cli, render, world, write_corpus
 from mmtrain.data_pipelines.tokenizer import load_tokenizer
-from PIL import Image
 
 _META = {"__key__", "__url__", "__local_path__"}
 _POS_RE = re.compile(r"at the (top left|top right|bottom left|bottom right|top|bottom|left|right|center)\b")

@@ -2,6 +2,9 @@ import json
 import random
 
 import pytest
+from tokenizers import Tokenizer as HFTok
+from tokenizers import models, pre_tokenizers
+
 from mmtrain.data_pipelines.errors import DataError
 from mmtrain.data_pipelines.synth import world
 from mmtrain.data_pipelines.tokenizer import (
@@ -12,8 +15,6 @@ from mmtrain.data_pipelines.tokenizer import (
     load_tokenizer,
     train_bpe,
 )
-from tokenizers import Tokenizer as HFTok
-from tokenizers import models, pre_tokenizers
 
 
 def _random_text(rng: random.Random, n: int = 200) -> str:

@@ -4,6 +4,7 @@ import tarfile
 
 import pytest
 from dp_shards import make_folder, make_jsonl
+
 from mmtrain.data_pipelines import write
 from mmtrain.data_pipelines.errors import DataError
 

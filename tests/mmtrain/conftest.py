@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mmtrain.data_pipelines.synth.config import SynthConfig
-from mmtrain.data_pipelines.synth.writer import write_corpus
 
 from mmtrain.config import apply_override, from_dict
+from mmtrain.data_pipelines.synth.config import SynthConfig
+from mmtrain.data_pipelines.synth.writer import write_corpus
 from mmtrain.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]

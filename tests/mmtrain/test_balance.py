@@ -9,9 +9,9 @@ import random
 
 import pytest
 import torch
-from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES
 
 from mmtrain.balance import KINDS, BalanceConfig, build_balancer
+from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES
 from mmtrain.objectives import head_grad_norms, head_grads, task_losses
 
 BASE = {"text": 1.0, "image_text": 0.5, "video_text": 2.0}

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from mmtrain.models.multimodal import MultimodalModel
 
 from mmtrain.config import load_config
+from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2] / "configs"

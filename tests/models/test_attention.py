@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+
 from mmtrain.models.attention import AttentionConfig, attend, build_meta, recompute_probs, select_blocks
 from mmtrain.models.attention.counts import full_counts, sparse_counts
 from mmtrain.models.attention.dense import dense_mask, dense_probs

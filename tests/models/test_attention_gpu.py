@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+
 from mmtrain.models.attention import AttentionConfig, attend, build_meta, resolve_backend
 from mmtrain.models.attention.testing import random_batch, random_qkv, rel_err
 

@@ -20,6 +20,7 @@ import warnings
 
 import pytest
 import torch
+
 from mmtrain.models.attention import AttentionConfig, attend, build_meta, select_blocks
 from mmtrain.models.attention.flex import attend_flex
 from mmtrain.models.attention.testing import pack_row, random_doc_spans

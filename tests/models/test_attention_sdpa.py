@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+
 from mmtrain.models.attention import AttentionConfig, attend, build_meta
 from mmtrain.models.attention.sdpa import plan, sdpa_full_op
 from mmtrain.models.attention.testing import pack_row, random_batch, random_doc_spans, random_qkv, rel_err

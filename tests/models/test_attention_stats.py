@@ -7,6 +7,7 @@ Legend: B batch, H query heads, K kv heads, S tokens, D head dim, R query rows.
 from __future__ import annotations
 
 import torch
+
 from mmtrain.models.attention import (
     AttentionConfig,
     build_meta,

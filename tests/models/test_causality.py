@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 
 import torch
+
 from mmtrain.models.attention import AttentionConfig
 from mmtrain.models.decoder import DecoderConfig
 from mmtrain.models.moe import MoEConfig

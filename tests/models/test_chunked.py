@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from mmtrain.models.chunked import over_tokens
 from mmtrain.models.decoder import DecoderConfig, DecoderLayer
 from mmtrain.models.moe import MoEConfig

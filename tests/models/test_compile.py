@@ -13,12 +13,12 @@ import copy
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
 from mmtrain.models import DecoderConfig, ModelConfig, MoEConfig, MultimodalModel
 from mmtrain.models.attention import AttentionConfig, build_meta
 from mmtrain.models.attention.testing import random_batch as random_ids
 from mmtrain.models.vision import VisionConfig
-from torch._dynamo.utils import counters
-
 from tools.bench.bench_model import random_batch
 
 

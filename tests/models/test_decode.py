@@ -18,6 +18,7 @@ import random
 
 import pytest
 import torch
+
 from mmtrain.models.attention import AttentionConfig
 from mmtrain.models.decoder import DecoderConfig
 from mmtrain.models.inference import SamplingConfig, decode_step, generate_tokens, prefill, top_p_filter

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+
 from mmtrain.models.attention import AttentionConfig
 from mmtrain.models.decoder import DecoderConfig
 from mmtrain.models.moe import MoE, MoEConfig

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+
 from mmtrain.models.moe import MoE, MoEConfig, seq_balance_loss
 from mmtrain.models.moe_dispatch import _grouped_mm_probe, grouped_mm_supported
 

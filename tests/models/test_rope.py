@@ -6,6 +6,7 @@ Legend: A axes, S tokens, D head dim, F pairs.
 from __future__ import annotations
 
 import torch
+
 from mmtrain.models.rope import (
     apply_rotary,
     axial_angles,

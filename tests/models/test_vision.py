@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from mmtrain.models.attention import AttentionConfig
 from mmtrain.models.vision import VisionConfig, VisionEncoder, patch_layout
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import random
 
-import mmtrain.models.self_attention as self_attention
 import numpy as np
 import pytest
 import torch
+
+import mmtrain.models.self_attention as self_attention
 from mmtrain.attention_maps.inputs import ObjectBoxes, build_doc_inputs
 from mmtrain.attention_maps.maps import DocAttention, LayerRows, analyze_document, batch_attention_stats
 from mmtrain.attention_maps.metrics import (

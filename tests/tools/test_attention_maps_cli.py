@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from mmtrain.attention_maps.cli import main
-from mmtrain.data_pipelines.synth.config import SynthConfig
-from mmtrain.data_pipelines.synth.writer import write_corpus
-from mmtrain.models.multimodal import MultimodalModel
 from PIL import Image
 
 from mmtrain import cli as mmtrain_cli
+from mmtrain.attention_maps.cli import main
 from mmtrain.config import apply_override, from_dict, to_dict
+from mmtrain.data_pipelines.synth.config import SynthConfig
+from mmtrain.data_pipelines.synth.writer import write_corpus
+from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]

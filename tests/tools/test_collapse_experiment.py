@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mmtrain.data_pipelines.synth.config import SynthConfig
-from mmtrain.data_pipelines.synth.writer import write_corpus
 
 from mmtrain.config import apply_override
+from mmtrain.data_pipelines.synth.config import SynthConfig
+from mmtrain.data_pipelines.synth.writer import write_corpus
 from tools.experiments.collapse import DEFAULT, main
 
 REPO = Path(__file__).resolve().parents[2]

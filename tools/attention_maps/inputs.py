@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from mmtrain.data_pipelines.batch import IMAGE, TEXT, VIDEO, PackedBatch
 from mmtrain.data_pipelines.config import DataConfig, MediaConfig
 from mmtrain.data_pipelines.decode import (
@@ -33,7 +34,6 @@ from mmtrain.data_pipelines.packing import assemble
 from mmtrain.data_pipelines.preprocess import Decoded, subsample
 from mmtrain.data_pipelines.shards import RawSample
 from mmtrain.data_pipelines.tokenizer import Tokenizer
-
 from mmtrain.errors import UserError
 from mmtrain.pointing import uniform_box
 from mmtrain.prompts import read_medium

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from mmtrain.data_pipelines.batch import TEXT
 from mmtrain.models.attention import AttentionConfig, AttnMeta, build_meta
 from mmtrain.models.attention.recompute import block_pattern

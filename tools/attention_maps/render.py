@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from mmtrain.data_pipelines.batch import TEXT
 
 from . import plots

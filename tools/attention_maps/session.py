@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmtrain.data_pipelines.ledger import SkipSample
-
 from mmtrain.errors import UserError
 from mmtrain.loading import Loaded, checkpoint_line, load_model
 from mmtrain.prompts import iter_val_samples, read_sample

@@ -67,6 +67,7 @@ def parse_args(argv=None):
 def child(args, backend: str, S: int) -> dict:
     """One (backend, S): build inputs, warm up, time fwd+bwd, report peak memory."""
     import torch
+
     from mmtrain.models.attention import AttentionConfig, attend, build_meta
 
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -124,6 +125,7 @@ def _nbytes(obj) -> int:
 def breakdown(q, k, meta, cfg, dev) -> dict:
     """Sizes of the sparse path's metadata, selection and block lists, and the selection's time."""
     import torch
+
     from mmtrain.models.attention import select_blocks
     from mmtrain.models.attention.blocks import sparse_lists
 
@@ -145,6 +147,7 @@ def breakdown(q, k, meta, cfg, dev) -> dict:
 def flex_mask_time(meta, cfg, sel, H: int) -> float:
     """Seconds to build a sparse layer's flex BlockMask from its selection (CUDA, synchronised)."""
     import torch
+
     from mmtrain.models.attention.flex import sparse_block_mask
 
     torch.cuda.synchronize()

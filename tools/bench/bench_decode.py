@@ -26,12 +26,12 @@ import statistics
 import time
 
 import torch
+
+from mmtrain.config import load_config
 from mmtrain.models.inference import decode_step, new_cache, prefill
 from mmtrain.models.inference.attend import full_decode, sparse_decode
 from mmtrain.models.inference.cache import refresh_kmean
 from mmtrain.models.multimodal import MultimodalModel
-
-from mmtrain.config import load_config
 from mmtrain.run_config import RunConfig
 
 

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import decord
 import webdataset as wds
+from PIL import Image
+
 from mmtrain.data_pipelines.config import DataConfig, MediaConfig, SourceConfig
 from mmtrain.data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS, sample_frame_indices
 from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.shards import expand_shards
 from mmtrain.data_pipelines.tokenizer import load_tokenizer
-from PIL import Image
 
 KINDS = ("image", "video", "interleaved", "text")
 

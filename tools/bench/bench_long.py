@@ -80,11 +80,11 @@ def fix_mmap_threshold(nbytes: int) -> bool:
 def child(args) -> dict:
     import torch
     import torch.nn.functional as F
-    from mmtrain.models.attention import build_meta
-    from mmtrain.models.decoder import Decoder
     from torch.utils.checkpoint import checkpoint
 
     from mmtrain.config import load_config
+    from mmtrain.models.attention import build_meta
+    from mmtrain.models.decoder import Decoder
     from mmtrain.parallelize import checkpoint_forward, prime_probes
     from mmtrain.run_config import RunConfig
 

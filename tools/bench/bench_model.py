@@ -22,10 +22,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from mmtrain.models.multimodal import MultimodalModel
-from mmtrain.models.testing import IMAGE, VIDEO, pack, random_doc
 
 from mmtrain.config import load_config
+from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.models.testing import IMAGE, VIDEO, pack, random_doc
 from mmtrain.run_config import RunConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 
 import torch
+
 from mmtrain.models.moe import MoE, MoEConfig
 from mmtrain.models.moe_dispatch import grouped_mm_supported
 

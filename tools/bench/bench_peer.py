@@ -30,10 +30,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from mmtrain.models import AttentionConfig, DecoderConfig, ModelConfig, MoEConfig, MultimodalModel
 from mmtrain.models.testing import IMAGE, pack, random_doc
 from mmtrain.models.vision import VisionConfig
-
 from tools.bench.bench_model import matmul_peak
 
 DIM, LAYERS, HEADS, KV_HEADS, EXPERTS, TOP_K, EXPERT_DIM, VOCAB = 256, 4, 4, 2, 8, 2, 256, 4096

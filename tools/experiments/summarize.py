@@ -14,7 +14,6 @@ import statistics
 from pathlib import Path
 
 from mmtrain.data_pipelines.batch import TASK_NAMES
-
 from mmtrain.evaluate import MEDIA_TASKS
 
 SHORT = {"text": "text", "image_text": "image", "video_text": "video"}
