@@ -102,9 +102,10 @@ class Throughput(Callback):
         self.window.add(s.tokens, s.visual_tokens, s.media, s.patches, s.step_s)
         if self.steps > PERF_WARMUP_STEPS:
             self.run.add(s.tokens, s.visual_tokens, s.media, s.patches, s.step_s)
-        if trainer.is_log_step(s):
-            trainer.log.scalars(trainer.step, self.scalars(trainer, s))
-            self.window = Window()
+
+    def on_log(self, trainer: Trainer, s: StepStats, scalars: dict[str, float]) -> None:
+        scalars.update(self.scalars(trainer, s))
+        self.window = Window()
 
     def scalars(self, trainer: Trainer, s: StepStats) -> dict[str, float]:
         world = trainer.env.world_size

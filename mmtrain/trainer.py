@@ -189,6 +189,8 @@ class Trainer:
                 stats = self.train_step(self._batches())
                 self._log_step(stats)
                 self.callbacks.emit("on_step_end", self, stats)
+                if self.is_log_step(stats):
+                    self._log_callback_scalars(stats)
                 if stats.time_up:
                     self.log.info(f"train.time_limit_min {cfg.time_limit_min:g} reached at step {self.step}")
                     break
@@ -432,6 +434,13 @@ class Trainer:
                           f"({self.state.consecutive_skips} in a row, {self.state.skipped_steps} in all)")
         if self.is_log_step(s):
             self.log.scalars(self.step, self._train_scalars(s, weights, lr))
+
+    def _log_callback_scalars(self, s: StepStats) -> None:
+        """The callbacks' TensorBoard scalars of a log step (`on_log`), after every on_step_end."""
+        scalars: dict[str, float] = {}
+        self.callbacks.emit("on_log", self, s, scalars)
+        if scalars:
+            self.log.scalars(self.step, scalars)
 
     def _progress_line(self, s: StepStats, weights: dict[str, float]) -> str:
         short = {"text": "txt", "image_text": "img", "video_text": "vid"}

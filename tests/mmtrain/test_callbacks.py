@@ -160,3 +160,40 @@ def test_stateful_callbacks_need_unique_names():
     with pytest.raises(ValueError, match="unique names"):
         Callbacks([StepRecorder(), StepRecorder()])
     Callbacks([Callback(), Callback()])  # stateless ones may share the default name
+
+
+class LogAdder(Callback):
+    """Adds one scalar on log steps; records the order of its hooks."""
+
+    def __init__(self):
+        self.events: list[tuple] = []
+
+    def on_step_end(self, trainer, stats):
+        self.events.append(("step", trainer.step))
+
+    def on_log(self, trainer, stats, scalars):
+        assert "perf/tokens_per_s" in scalars  # the built-in throughput callback ran before
+        scalars["user/step_squared"] = float(trainer.step ** 2)
+        self.events.append(("log", trainer.step))
+
+
+def test_on_log_runs_on_log_steps_after_the_step_and_its_scalars_are_written(make_config, tmp_path,
+                                                                             monkeypatch):
+    from mmtrain.logger import RunLogger
+
+    written: dict[int, dict[str, float]] = {}
+    orig = RunLogger.scalars
+
+    def spy(self, step, values):
+        written.setdefault(step, {}).update(values)
+        orig(self, step, values)
+
+    monkeypatch.setattr(RunLogger, "scalars", spy)
+    cb = LogAdder()
+    Trainer(make_config(tmp_path / "run"), verbose=False, callbacks=[cb]).fit()  # log_every 2, 8 steps
+    log_steps = [2, 4, 6, 8]
+    assert [e for e in cb.events if e[0] == "log"] == [("log", s) for s in log_steps]
+    for s in log_steps:  # each log follows its own step's on_step_end
+        assert cb.events.index(("log", s)) == cb.events.index(("step", s)) + 1
+        assert written[s]["user/step_squared"] == s ** 2 and "train/loss" in written[s]
+    assert not any("user/step_squared" in written.get(s, {}) for s in (1, 3, 5, 7))
