@@ -221,6 +221,24 @@ class Loader:
             self.ledger.extend(delta)
             yield batch
 
+    def set_weights(self, weights: dict[str, float]) -> bool:
+        """New mixture weights for the named sources (the others keep theirs); -> whether any changed.
+
+        Takes effect at the next `iter()`: its workers start from the states of the batches consumed
+        so far (the resume path), so batches prefetched under the old weights are re-made, none is
+        lost or repeated, and a run that resumes here draws exactly what this one draws."""
+        unknown = sorted(set(weights) - {s.name for s in self.sources})
+        if unknown:
+            raise ValueError(f"set_weights: no source named {unknown}")
+        bad = {k: w for k, w in weights.items() if not w > 0}
+        if bad:
+            raise ValueError(f"set_weights: weights must be > 0 (got {bad})")
+        changed = False
+        for s in self.sources:
+            if s.name in weights and weights[s.name] != s.weight:
+                s.weight, changed = float(weights[s.name]), True
+        return changed
+
     # ----- state ----------------------------------------------------------------------------
     def _layout(self) -> dict:
         return {"split": self.split, "rank": self.rank, "world_size": self.world_size,

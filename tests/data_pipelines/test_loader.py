@@ -1,5 +1,6 @@
 import itertools
 import re
+import warnings
 from dataclasses import fields
 
 import pytest
@@ -204,3 +205,45 @@ def test_resume_is_exact_inside_long_texts_with_a_byte_bounded_buffer(tmp_path):
     resumed = build_loader(cfg, TOK, "train")
     resumed.load_state_dict(state)
     assert all(_same(a, b) for a, b in zip(expected, itertools.islice(resumed, 6)))
+
+
+# ----- weights changed while training (the mixture controller) -------------------------------
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_new_weights_take_effect_and_resume_exactly(tmp_path, num_workers):
+    """Weights changed after 4 batches: the next batches follow them, none is lost or repeated, and a
+    loader resumed from the state at the change (with the new weights set first, as the controller's
+    checkpoint part does) yields exactly the same batches."""
+    cfg = _mixed_cfg(tmp_path, num_workers=num_workers, shuffle_buffer=5, batch_size=2)
+    loader = build_loader(cfg, TOK, "train")
+    it = iter(loader)
+    [next(it) for _ in range(4)]
+    assert loader.set_weights({"a": 2.0}) is False  # unchanged: the running iterator may go on
+    assert loader.set_weights({"b": 50.0}) is True
+    state = loader.state_dict()  # a checkpoint at this step
+    it = iter(loader)  # what the trainer does after a change
+    after = [next(it) for _ in range(6)]
+    del it
+    assert state["fingerprint"]["mixing"]["weights"] == {"a": 2.0, "b": 50.0}
+    resumed = build_loader(cfg, TOK, "train")
+    resumed.set_weights({"b": 50.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same weights as saved: no "mixture changed" warning
+        resumed.load_state_dict(state)
+    got = list(itertools.islice(resumed, 6))
+    assert all(_same(x, y) for x, y in zip(after, got)) and len(got) == 6
+    # the change took effect: source b (weight 50 vs 2) supplies nearly every new document
+    new_b = resumed.stats()["sources"]["b"]["docs"] - _docs(state, 1)
+    new_a = resumed.stats()["sources"]["a"]["docs"] - _docs(state, 0)
+    assert new_b > 5 * max(new_a, 1)
+
+
+def _docs(state: dict, source: int) -> int:
+    return sum(w["sources"][source]["stats"]["docs"] for w in state["workers"] if w)
+
+
+def test_set_weights_rejects_unknown_sources_and_bad_weights(tmp_path):
+    loader = build_loader(_mixed_cfg(tmp_path), TOK, "train")
+    with pytest.raises(ValueError, match="no source named"):
+        loader.set_weights({"zzz": 1.0})
+    with pytest.raises(ValueError, match="> 0"):
+        loader.set_weights({"a": 0.0})
