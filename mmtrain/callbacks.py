@@ -11,6 +11,8 @@ whatever a user adds -- is a `Callback` the loop calls at fixed points (OLMo-cor
                                           `trainer.step` is the step just finished
     on_log(trainer, stats, scalars)       on log steps: add TensorBoard scalars to `scalars`
     on_eval(trainer, record)              after each evaluation: add entries to its history record
+    on_diagnostics(trainer, result)       after each collapse-diagnostics run (a DiagResult, the same
+                                          on every rank): e.g. the mixture controller reads the gaps
     on_checkpoint_written(trainer, step)  every rank's files are written, not yet committed
     on_checkpoint(trainer, path)          the checkpoint at `path` is committed
     on_train_end(trainer, summary)        after the final checkpoint: add entries to the summary
@@ -26,7 +28,7 @@ without that part (an older one, or the callback is new) leaves the callback as 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -54,6 +56,8 @@ class StepStats:
     patches: int = 0
     time_up: bool = False
     visual_ssl: float | None = None  # mean masked-patch loss of the step (when enabled)
+    task_tokens: dict[str, int] = field(default_factory=dict)  # trained tokens per task, all ranks
+    token_weighting: dict[str, float] | None = None  # loss.token_weighting: its cost and weights
 
     def tokens_per_s_per_device(self, world_size: int) -> float:
         return self.tokens / world_size / max(self.step_s, 1e-9)
@@ -81,6 +85,9 @@ class Callback:
         pass
 
     def on_eval(self, trainer: Trainer, record: dict) -> None:
+        pass
+
+    def on_diagnostics(self, trainer: Trainer, result) -> None:
         pass
 
     def on_checkpoint_written(self, trainer: Trainer, step: int) -> None:

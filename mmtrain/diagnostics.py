@@ -3,6 +3,13 @@
 Signals (docs: DESIGN "Objectives, balancing, diagnostics"):
   * reliance gap per media task: per-token loss with every medium blanked (evaluate.blank_media)
     minus the loss with the real media; near zero means the text ignores the pixels;
+  * mismatch gap per media task (`mismatch`): per-token loss with each document's media swapped for
+    another document's real media of the same kind and patch grid (evaluate.mismatch_media) minus the
+    loss with its own, on the trained tokens of the documents that got a foreign medium. Blank media
+    are out of distribution (a model can react to grey frames without reading real ones); swapped
+    media are real inputs, so this gap measures how much the text depends on *which* medium it sees.
+    A third forward per batch, run on every batch (the forwards are collective) even when a batch has
+    nothing to swap; `DiagResult.seconds` has the wall time of each pass;
   * per layer, text->visual attention mass, attention entropy and sink mass of the text rows of each
     media task (recomputed from captured q, k with the layer's own mask: models.attention.stats, the
     same code as the attention-map tool);
@@ -37,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -45,8 +53,16 @@ import torch
 from torch import nn
 
 from mmtrain.checks import check
-from mmtrain.data_pipelines.batch import IMAGE, MODALITY_NAMES, TASK_NAMES, TEXT, VIDEO, PackedBatch
-from mmtrain.evaluate import MEDIA_TASKS, blank_media
+from mmtrain.data_pipelines.batch import (
+    IGNORE_INDEX,
+    IMAGE,
+    MODALITY_NAMES,
+    TASK_NAMES,
+    TEXT,
+    VIDEO,
+    PackedBatch,
+)
+from mmtrain.evaluate import MEDIA_TASKS, blank_media, mismatch_media
 from mmtrain.models.attention import AttentionConfig, build_meta, even_subset, row_stats, text_rows
 from mmtrain.objectives import task_losses
 from mmtrain.pointing import GroundingDoc, pointing_scores
@@ -74,6 +90,7 @@ class DiagConfig:
     # Pointing game (mmtrain/pointing.py) on the first val images/videos whose key.json has boxes,
     # each with its own caption; 0 = off (corpora without boxes: nothing to score).
     pointing_media: int = 8
+    mismatch: bool = True  # the mismatch gap: a third forward per batch with media swapped across documents
 
     def __post_init__(self) -> None:
         for name, low in (("every", 0), ("batches", 1), ("max_rows", 1), ("warmup_steps", 0),
@@ -89,6 +106,8 @@ class DiagConfig:
         check(self, "min_attention_mass", ge=0, le=1)
         check(self, "min_effective_rank", "min_router_entropy", ge=0)
         check(self, "max_expert_load_ratio", ge=1)
+        if not isinstance(self.mismatch, bool):
+            raise ValueError(f"mismatch: must be true or false (got {self.mismatch!r})")
 
 
 @dataclass
@@ -109,10 +128,22 @@ class DiagResult:
     batches: int
     cfg: DiagConfig = field(default_factory=DiagConfig)
     pointing: dict[str, dict] = field(default_factory=dict)  # category -> n, accuracy, chance_cell
+    # Media swapped across documents (evaluate.mismatch_media), on the trained tokens of the documents
+    # that got a foreign medium; only tasks with such tokens.
+    mismatch_loss: dict[str, float] = field(default_factory=dict)  # per-token loss, swapped media
+    mismatch_real_loss: dict[str, float] = field(default_factory=dict)  # ... the same tokens, own media
+    mismatch_tokens: dict[str, int] = field(default_factory=dict)
+    # Wall seconds of this rank's passes, summed over batches: real (forward with captures), stats
+    # (attention recompute, experts, embeddings), blank, mismatch (swap + forward), pointing, total.
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def reliance_gap(self) -> dict[str, float]:
         return {t: self.blank_loss[t] - self.loss[t] for t in self.loss}
+
+    @property
+    def mismatch_gap(self) -> dict[str, float]:
+        return {t: self.mismatch_loss[t] - self.mismatch_real_loss[t] for t in self.mismatch_loss}
 
     def layer_mean(self, task: str, stat: str) -> float | None:
         values = [v for v in self.attention[task][stat] if v is not None]
@@ -123,6 +154,9 @@ class DiagResult:
         for task, gap in self.reliance_gap.items():
             out.update({f"{prefix}/reliance_gap_{task}": gap, f"{prefix}/loss_{task}": self.loss[task],
                         f"{prefix}/blank_loss_{task}": self.blank_loss[task]})
+        for task, gap in self.mismatch_gap.items():
+            out.update({f"{prefix}/mismatch_gap_{task}": gap,
+                        f"{prefix}/mismatch_loss_{task}": self.mismatch_loss[task]})
         names = {"mass": "attn_mass", "entropy": "attn_entropy", "sink": "sink"}
         for task, per_stat in self.attention.items():
             for stat, values in per_stat.items():
@@ -189,7 +223,10 @@ class DiagResult:
         """JSON-able (the run's diagnostics history)."""
         return {
             "step": self.step, "batches": self.batches, "loss": self.loss, "blank_loss": self.blank_loss,
-            "reliance_gap": self.reliance_gap, "tokens": self.tokens, "attention": self.attention,
+            "reliance_gap": self.reliance_gap, "tokens": self.tokens,
+            "mismatch_gap": self.mismatch_gap, "mismatch_loss": self.mismatch_loss,
+            "mismatch_real_loss": self.mismatch_real_loss, "mismatch_tokens": self.mismatch_tokens,
+            "seconds": self.seconds, "attention": self.attention,
             "attention_rows": self.attention_rows,
             "expert_load": {str(k): v.tolist() for k, v in self.expert_load.items()},
             "expert_load_max_ratio": {str(k): v for k, v in self.expert_load_max_ratio.items()},
@@ -259,7 +296,8 @@ class _Layout:
                    {i: m.cfg.modality_groups for i, m in moes.items()}, dec.dim)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        out = {"loss": (len(MEDIA_TASKS), 3),  # real sum, blank sum, tokens
+        # real sum, blank sum, tokens; on the swapped documents' tokens: real sum, mismatch sum, tokens
+        out = {"loss": (len(MEDIA_TASKS), 6),
                "attn": (self.n_layers, len(MEDIA_TASKS), len(ATTN_STATS) + 1),  # + rows
                "gram": (len(MEDIA_KINDS), self.dim, self.dim), "vsum": (len(MEDIA_KINDS), self.dim),
                "media": (len(MEDIA_KINDS),)}
@@ -293,21 +331,50 @@ def run_diagnostics(model: nn.Module, batches: Iterable[PackedBatch], device: to
     layout = _Layout.of(raw)
     sums = _Sums(layout.shapes(), device)
     n_batches, pointing = 0, {}
-    with _frozen_state(model, device):
+    clock = _Clock(device)
+    with frozen_state(model, device):
         for batch in itertools.islice(batches, cfg.batches):
-            _diagnose_batch(model, batch.to(device), layout, sums, cfg, autocast)
+            _diagnose_batch(model, batch.to(device), layout, sums, cfg, autocast, clock)
             n_batches += 1
         if grounding:
-            pointing = pointing_scores(model, grounding, device, raw.cfg, autocast)
+            with clock("pointing"):
+                pointing = pointing_scores(model, grounding, device, raw.cfg, autocast)
     if reduce_fn is not None:
         reduce_fn(sums.flat)
     result = _result(sums, layout, step, n_batches, cfg)
     result.pointing = pointing
+    result.seconds = clock.seconds | {"total": clock.since_start()}
     return result
 
 
+class _Clock:
+    """Wall seconds per named pass, summed (CUDA synchronised at both ends, so queued kernels count
+    for the pass that launched them)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.start = self._now()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def since_start(self) -> float:
+        return self._now() - self.start
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = self._now()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + self._now() - start
+
+
 @contextlib.contextmanager
-def _frozen_state(model: nn.Module, device: torch.device):
+def frozen_state(model: nn.Module, device: torch.device):
+    """Eval mode (MoE layers count no load, no dropout) and the CPU/CUDA RNG saved, restored after:
+    a forward inside leaves training state as it found it (diagnostics, token weighting)."""
     modes = [(m, m.training) for m in model.modules()]
     cuda = []
     if device.type == "cuda":
@@ -322,26 +389,40 @@ def _frozen_state(model: nn.Module, device: torch.device):
 
 
 def _diagnose_batch(model: nn.Module, batch: PackedBatch, layout: _Layout, sums: _Sums, cfg: DiagConfig,
-                    autocast: Callable[[], contextlib.AbstractContextManager]) -> None:
-    with autocast():
-        out = model(**batch.model_inputs(), capture_layers=list(range(layout.n_layers)))
-    _add_losses(sums, batch, out.logits_BSV, col=0)
-    _add_attention(sums, batch, out.captures, layout, cfg.max_rows)
-    _add_experts(sums, out.expert_load, out.router_entropy)
-    _add_embeddings(sums, batch, out.visual_embeds_ND)
+                    autocast: Callable[[], contextlib.AbstractContextManager], clock: _Clock) -> None:
+    if cfg.mismatch:  # computed first: the real pass also sums its loss on the swapped documents
+        mismatched, swapped_BS = mismatch_media(batch)
+        swapped_labels_BS = batch.labels_BS.masked_fill(~swapped_BS, IGNORE_INDEX)
+    with clock("real"):
+        with autocast():
+            out = model(**batch.model_inputs(), capture_layers=list(range(layout.n_layers)))
+        _add_losses(sums, batch.labels_BS, batch.task_BS, out.logits_BSV, col=0, count_col=2)
+        if cfg.mismatch:
+            _add_losses(sums, swapped_labels_BS, batch.task_BS, out.logits_BSV, col=3, count_col=5)
+    with clock("stats"):
+        _add_attention(sums, batch, out.captures, layout, cfg.max_rows)
+        _add_experts(sums, out.expert_load, out.router_entropy)
+        _add_embeddings(sums, batch, out.visual_embeds_ND)
     del out  # the captures of every layer: free them before the second forward
-    blank = blank_media(batch)
-    with autocast():
-        out = model(**blank.model_inputs())
-    _add_losses(sums, blank, out.logits_BSV, col=1)
+    with clock("blank"):
+        with autocast():
+            out = model(**blank_media(batch).model_inputs())
+        _add_losses(sums, batch.labels_BS, batch.task_BS, out.logits_BSV, col=1)
+    del out
+    if cfg.mismatch:  # every batch, even with nothing swapped: the forwards are collective
+        with clock("mismatch"):
+            with autocast():
+                out = model(**mismatched.model_inputs())
+            _add_losses(sums, swapped_labels_BS, batch.task_BS, out.logits_BSV, col=4)
 
 
-def _add_losses(sums: _Sums, batch: PackedBatch, logits_BSV: Tensor, col: int) -> None:
-    losses = task_losses(logits_BSV, batch.labels_BS, batch.task_BS)
+def _add_losses(sums: _Sums, labels_BS: Tensor, task_BS: Tensor, logits_BSV: Tensor, col: int,
+                count_col: int | None = None) -> None:
+    losses = task_losses(logits_BSV, labels_BS, task_BS)
     for j, task in enumerate(MEDIA_TASKS):
         sums["loss"][j, col] += losses.loss_sum[task].double()
-        if col == 0:
-            sums["loss"][j, 2] += losses.count[task].double()
+        if count_col is not None:
+            sums["loss"][j, count_col] += losses.count[task].double()
 
 
 def _add_attention(sums: _Sums, batch: PackedBatch, captures: dict[int, dict], layout: _Layout,
@@ -402,11 +483,12 @@ def effective_rank(gram_DD: Tensor, scale: float | None = None) -> float:
 
 
 def _result(sums: _Sums, layout: _Layout, step: int, n_batches: int, cfg: DiagConfig) -> DiagResult:
-    loss_T3 = sums["loss"].cpu()
-    present = [(j, t) for j, t in enumerate(MEDIA_TASKS) if loss_T3[j, 2] > 0]
-    loss = {t: float(loss_T3[j, 0] / loss_T3[j, 2]) for j, t in present}
-    blank = {t: float(loss_T3[j, 1] / loss_T3[j, 2]) for j, t in present}
-    tokens = {t: int(loss_T3[j, 2]) for j, t in present}
+    loss_T6 = sums["loss"].cpu()
+    present = [(j, t) for j, t in enumerate(MEDIA_TASKS) if loss_T6[j, 2] > 0]
+    loss = {t: float(loss_T6[j, 0] / loss_T6[j, 2]) for j, t in present}
+    blank = {t: float(loss_T6[j, 1] / loss_T6[j, 2]) for j, t in present}
+    tokens = {t: int(loss_T6[j, 2]) for j, t in present}
+    swapped = [(j, t) for j, t in enumerate(MEDIA_TASKS) if loss_T6[j, 5] > 0]
     attn_LT4 = sums["attn"].cpu()
     attention, rows = {}, {}
     for j, task in present:
@@ -427,7 +509,10 @@ def _result(sums: _Sums, layout: _Layout, step: int, n_batches: int, cfg: DiagCo
         if name in media:
             ranks[name], centred[name] = _ranks(sums["gram"][k], sums["vsum"][k], media[name])
     return DiagResult(step, loss, blank, tokens, attention, rows, load, ratio, per_expert, entropy, ranks,
-                      centred, media, n_batches, cfg)
+                      centred, media, n_batches, cfg,
+                      mismatch_loss={t: float(loss_T6[j, 4] / loss_T6[j, 5]) for j, t in swapped},
+                      mismatch_real_loss={t: float(loss_T6[j, 3] / loss_T6[j, 5]) for j, t in swapped},
+                      mismatch_tokens={t: int(loss_T6[j, 5]) for j, t in swapped})
 
 
 def _ranks(gram_DD: Tensor, sum_D: Tensor, n: int) -> tuple[float | None, float | None]:

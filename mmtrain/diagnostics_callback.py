@@ -62,6 +62,7 @@ class Diagnostics(Callback):
         self.history.append(result.to_dict())  # with its step and alarms
         self._report(trainer, result)
         trainer.balancer.observe_reliance(result.reliance_gap, trainer.step)
+        trainer.callbacks.emit("on_diagnostics", trainer, result)
 
     def _report(self, trainer: Trainer, result) -> None:
         log, step = trainer.log, trainer.step
