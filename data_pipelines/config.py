@@ -63,6 +63,58 @@ class MediaConfig:
 
 
 @dataclass
+class MixControllerConfig:
+    """The reliance-driven mixture controller (mmtrain/mixture.py): at each diagnostics run it raises
+    the document share of the sources of a media task whose reliance gap is low or falling, and
+    relaxes it back toward the configured weights once the gap is healthy."""
+
+    kind: str = "none"  # none | reliance
+    signal: str = "mismatch"  # which gap it reads: mismatch (own vs another document's media) | blank
+    tasks: dict[str, str] = field(default_factory=dict)  # media source -> the task it feeds (image_text...)
+    low_gap: float = 0.1  # nats: a gap below this raises the task's sources
+    fall: float = 0.15  # ... and so does a drop by more than this since the previous check
+    high_gap: float = 0.3  # above this the boost relaxes toward 1 (the configured weights)
+    up: float = 1.5  # boost factor per low check
+    relax: float = 0.5  # share of the boost's excess over 1 removed per healthy check
+    max_boost: float = 8.0  # a source's weight is at most this multiple of its configured weight
+    min_share: dict[str, float] = field(default_factory=dict)  # source -> floor of its document share
+    max_share: dict[str, float] = field(default_factory=dict)  # source -> ceiling of its document share
+    max_media_share: float = 1.0  # cap on the run's realised media-task token share (1: none)
+    warmup_steps: int = 0  # no decision before this step (an untrained vision path gives noise)
+
+    def __post_init__(self):
+        check(self, "kind", choices=("none", "reliance"))
+        check(self, "signal", choices=("mismatch", "blank"))
+        media = ("image_text", "video_text")
+        bad = {k: v for k, v in self.tasks.items() if v not in media}
+        if bad:
+            raise ValueError(f"tasks: each source's task must be one of {media} (got {bad})")
+        if self.kind == "reliance" and not self.tasks:
+            raise ValueError("tasks: kind reliance needs the media task of each media source, "
+                             "e.g. {image: image_text, video: video_text}")
+        check(self, "low_gap", "fall", "warmup_steps", ge=0)
+        check(self, "relax", ge=0, le=1)
+        check(self, "up", "max_boost", ge=1)
+        check(self, "max_media_share", gt=0, le=1)
+        if self.high_gap < self.low_gap:
+            raise ValueError(f"high_gap: must be >= low_gap {self.low_gap} (got {self.high_gap})")
+        for name, bounds in (("min_share", self.min_share), ("max_share", self.max_share)):
+            bad = {k: v for k, v in bounds.items() if not 0 <= v <= 1}
+            if bad:
+                raise ValueError(f"{name}: shares must be in [0, 1] (got {bad})")
+        if sum(self.min_share.values()) > 1:
+            raise ValueError(f"min_share: the floors sum to more than 1 (got {self.min_share})")
+        bad = [k for k in self.min_share if k in self.max_share and self.min_share[k] > self.max_share[k]]
+        if bad:
+            raise ValueError(f"min_share: above max_share for {bad}")
+
+
+@dataclass
+class MixConfig:
+    controller: MixControllerConfig = field(default_factory=MixControllerConfig)
+
+
+@dataclass
 class DataConfig:
     train: list[SourceConfig] = field(default_factory=list)
     val: list[SourceConfig] = field(default_factory=list)
@@ -86,6 +138,7 @@ class DataConfig:
     allow_changed_shards: bool = False  # resume with another shard list or mixture: warn instead of error
     seed: int = 0
     media: MediaConfig = field(default_factory=MediaConfig)
+    mix: MixConfig = field(default_factory=MixConfig)
 
     def __post_init__(self):
         check(self, "seq_len", ge=8)
@@ -99,3 +152,8 @@ class DataConfig:
             names = [s.name for s in getattr(self, split)]
             if len(set(names)) != len(names):
                 raise ValueError(f"{split}: source names must be unique (got {names})")
+        ctl, names = self.mix.controller, {s.name for s in self.train}
+        named = set(ctl.tasks) | set(ctl.min_share) | set(ctl.max_share)
+        unknown = sorted(named - names) if self.train else []
+        if unknown:
+            raise ValueError(f"mix.controller: no train source named {unknown} (sources: {sorted(names)})")

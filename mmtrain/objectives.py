@@ -1,17 +1,31 @@
 """Per-modality losses: each a per-token mean over the trained tokens of one task.
 
-Legend: B rows, S sequence, V vocabulary. Tasks (data_pipelines.batch): text-only documents,
-documents with images (image_text), documents with video (video_text).
+Legend: B rows, S sequence, V vocabulary, R rows taken, N patches, M media, T tokens. Tasks
+(data_pipelines.batch): text-only documents, documents with images (image_text), documents with
+video (video_text).
+
+Token reliance weighting (`loss.token_weighting`): within a media task, a caption token's
+cross-entropy is weighted by how much the pixels help predict it -- its loss with every medium
+blanked minus its loss with the real media -- so the tokens that need the image carry the gradient.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES
+from mmtrain.data_pipelines.batch import (
+    IGNORE_INDEX,
+    TASK_IMAGE_TEXT,
+    TASK_NAMES,
+    TASK_VIDEO_TEXT,
+    PackedBatch,
+)
+
+MEDIA_TASK_IDS = (TASK_IMAGE_TEXT, TASK_VIDEO_TEXT)
 
 
 @dataclass
@@ -21,6 +35,7 @@ class TaskLosses:
     loss_sum: dict[str, torch.Tensor]
     correct: dict[str, torch.Tensor]
     count: dict[str, torch.Tensor]
+    ce_BS: torch.Tensor | None = None  # per-token cross-entropy (with its graph): for `reweighted`
 
     def mean(self, task: str) -> torch.Tensor:
         return self.loss_sum[task] / self.count[task].clamp(min=1)
@@ -45,7 +60,75 @@ def task_losses(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, task_BS: torc
         sums[name] = (ce_BS * sel_BS).sum()
         correct[name] = (hit_BS & sel_BS).sum()
         counts[name] = sel_BS.sum()
-    return TaskLosses(sums, correct, counts)
+    return TaskLosses(sums, correct, counts, ce_BS)
+
+
+def reweighted(losses: TaskLosses, weights_BS: torch.Tensor, labels_BS: torch.Tensor,
+               task_BS: torch.Tensor) -> TaskLosses:
+    """`losses` with each task's loss_sum = sum(w * ce) over its trained tokens; counts (so the
+    divisor of the mean) and hits unchanged. Needs `losses.ce_BS` (from task_losses)."""
+    trained_BS = labels_BS != IGNORE_INDEX
+    wce_BS = losses.ce_BS * weights_BS
+    sums = {name: (wce_BS * (trained_BS & (task_BS == task_id))).sum()
+            for task_id, name in enumerate(TASK_NAMES)}
+    return replace(losses, loss_sum=sums)
+
+
+def media_tokens(labels_BS: torch.Tensor, task_BS: torch.Tensor) -> torch.Tensor:
+    """(B, S) bool: trained tokens of the media tasks (the ones token weighting reweights)."""
+    return (labels_BS != IGNORE_INDEX) & ((task_BS == TASK_IMAGE_TEXT) | (task_BS == TASK_VIDEO_TEXT))
+
+
+@torch.no_grad()
+def reliance_weights(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, labels_BS: torch.Tensor,
+                     task_BS: torch.Tensor, strength: float, floor: float) -> torch.Tensor:
+    """(B, S) fp32 loss weights: 1 except on the media tasks' trained tokens, where
+    w = (1 - strength) + strength * r / mean_task(r), r = max(ce_blank - ce_real, 0) + floor.
+
+    The mean is over the task's trained tokens here, so each task's weights average 1 and
+    its loss keeps its scale; `floor` (nats, > 0) keeps a token the pixels do not help from
+    dropping out, and makes equal deltas give weights of 1.
+    """
+    trained_BS = labels_BS != IGNORE_INDEX
+    r_BS = (ce_blank_BS.float() - ce_real_BS.float()).clamp(min=0) + floor
+    w_BS = torch.ones_like(r_BS)
+    for task_id in MEDIA_TASK_IDS:
+        sel_BS = trained_BS & (task_BS == task_id)
+        mean = (r_BS * sel_BS).sum() / sel_BS.sum().clamp(min=1)
+        w_BS = torch.where(sel_BS, (1 - strength) + strength * r_BS / mean, w_BS)
+    return w_BS
+
+
+@torch.no_grad()
+def reliance_stats(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, weights_BS: torch.Tensor,
+                   labels_BS: torch.Tensor, task_BS: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums for the log, over the media tasks' trained tokens: tw_n (tokens), tw_delta (sum of
+    max(ce_blank - ce_real, 0)), tw_top / tw_top_n (sum and count of the top-decile weights)."""
+    sel_BS = media_tokens(labels_BS, task_BS)
+    w_T = weights_BS[sel_BS]
+    k = math.ceil(w_T.numel() / 10)
+    return {"tw_n": sel_BS.sum(), "tw_delta": (ce_blank_BS - ce_real_BS).clamp(min=0)[sel_BS].sum(),
+            "tw_top": w_T.topk(k).values.sum(), "tw_top_n": torch.tensor(k)}
+
+
+def take_rows(batch: PackedBatch, rows_R: torch.Tensor) -> PackedBatch:
+    """The batch of rows `rows_R` (ascending) with their media: patches, grids and kinds of the media
+    those rows' placeholders name, renumbered 0..M'-1 in the same row-major order. Documents never
+    cross rows or attend into each other, so the rows' outputs equal those of the whole batch."""
+    media_ids_RS = batch.media_ids_BS[rows_R].long()
+    keep_M = torch.zeros(batch.media_kind_M.shape[0], dtype=torch.bool, device=media_ids_RS.device)
+    keep_M[media_ids_RS[media_ids_RS >= 0]] = True
+    new_id_M = keep_M.long().cumsum(0) - 1
+    renumbered_RS = torch.where(media_ids_RS >= 0, new_id_M[media_ids_RS.clamp(min=0)], -1)
+    keep_N = keep_M.repeat_interleave(batch.grid_thw_M3.prod(-1), output_size=batch.patches_NP.shape[0])
+    return PackedBatch(
+        tokens_BS=batch.tokens_BS[rows_R], labels_BS=batch.labels_BS[rows_R],
+        doc_ids_BS=batch.doc_ids_BS[rows_R], span_ids_BS=batch.span_ids_BS[rows_R],
+        modality_BS=batch.modality_BS[rows_R], task_BS=batch.task_BS[rows_R],
+        pos_ids_3BS=batch.pos_ids_3BS[:, rows_R], media_ids_BS=renumbered_RS.to(batch.media_ids_BS.dtype),
+        patches_NP=batch.patches_NP[keep_N], grid_thw_M3=batch.grid_thw_M3[keep_M],
+        media_kind_M=batch.media_kind_M[keep_M],
+    )
 
 
 def z_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,21 @@ class VisualSSLConfig:
 
 
 @dataclass
+class TokenWeightingConfig:
+    """Token reliance weighting (mmtrain/objectives.py, reliance_weights): each trained token of a
+    media task is weighted by how much the pixels help predict it, from an extra forward without
+    grad with every medium blanked, on the rows that hold such tokens (about their share of a
+    forward's cost). Per task and micro-batch the weights average 1; text tokens keep weight 1."""
+
+    strength: float = 0.0  # 0: off (no extra forward); 1: weights proportional to the reliance
+    floor: float = 0.05  # nats added to max(blank CE - real CE, 0): unhelped tokens keep some weight
+
+    def __post_init__(self):
+        check(self, "strength", ge=0, le=1)
+        check(self, "floor", gt=0)
+
+
+@dataclass
 class LossConfig:
     """Per-modality loss weights (the base weights every balancer starts from or multiplies), the
     balancer that adapts them, and the extra terms."""
@@ -56,6 +71,7 @@ class LossConfig:
     z_loss: float = 1e-4  # weight of mean(logsumexp(logits)^2) over trained tokens
     balancer: BalanceConfig = field(default_factory=BalanceConfig)
     visual_ssl: VisualSSLConfig = field(default_factory=VisualSSLConfig)
+    token_weighting: TokenWeightingConfig = field(default_factory=TokenWeightingConfig)
 
     def __post_init__(self):
         check(self, "text", "image_text", "video_text", "z_loss", ge=0)
@@ -169,3 +185,12 @@ class RunConfig:
         if self.loss.balancer.kind == "reliance_guard" and not self.diagnostics.every:
             raise ValueError("loss.balancer.kind: reliance_guard reads the reliance gap of the "
                              "diagnostics: set diagnostics.every > 0")
+        ctl = self.data.mix.controller
+        if ctl.kind != "none" and not self.diagnostics.every:
+            raise ValueError(f"data.mix.controller.kind: {ctl.kind} reads the reliance gaps of the "
+                             "diagnostics: set diagnostics.every > 0")
+        if ctl.kind != "none" and self.train.stages:
+            raise ValueError("data.mix.controller: not combinable with train.stages (both set the "
+                             "train mixture); use one")
+        if ctl.kind != "none" and ctl.signal == "mismatch" and not self.diagnostics.mismatch:
+            raise ValueError("data.mix.controller.signal: mismatch needs diagnostics.mismatch: true")
