@@ -22,13 +22,13 @@ SHRINK = ["data.media.max_pixels=2304", "model.vision.dim=32", "model.vision.dep
           "model.decoder.moe.expert_dim=32"]
 
 
-def _experiment(tmp: Path) -> Path:
-    """The shipped experiment, pointed at a tiny corpus with a tiny model (stages end at step 2)."""
+def _experiment(tmp: Path, shipped_path: Path = DEFAULT) -> Path:
+    """A shipped experiment, pointed at a tiny corpus with a tiny model (stages end at step 2)."""
     corpus = tmp / "shapes"
     write_corpus(corpus, SynthConfig.small(n_image=8, n_video=4, n_interleaved=4, n_text=8, n_val=2,
                                            shard_size=4))
-    shipped = yaml.safe_load((REPO / DEFAULT).read_text())
-    base = yaml.safe_load((REPO / DEFAULT).parent.joinpath(shipped["base"]).read_text())
+    shipped = yaml.safe_load((REPO / shipped_path).read_text())
+    base = yaml.safe_load((REPO / shipped_path).parent.joinpath(shipped["base"]).read_text())
     base["data"]["tokenizer"] = str(corpus / "tokenizer.json")
     for split in ("train", "val"):
         for src in base["data"][split]:
@@ -75,3 +75,29 @@ def test_bad_arm_and_bad_override_fail_before_training(tmp_path, capsys):
     assert main(["--experiment", str(exp), "--out", str(tmp_path / "o"), "--set", "optim.lr=-1"]) == 2
     assert "optim.lr" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+MIXTURE = Path("configs/experiments/collapse/mixture.yaml")
+
+
+@pytest.mark.slow
+def test_mixture_arms_run_and_a_matched_mix_comes_from_the_controller(tmp_path, capsys):
+    """The preventing-collapse experiment's new arms (controller, token weighting, both) run with its
+    common overrides; --matched prints the controller's average shares as a fixed mix."""
+    exp = _experiment(tmp_path, MIXTURE)
+    out = tmp_path / "out"
+    arms = "controller,token_weighting,controller_tw"
+    args = ["--experiment", str(exp), "--out", str(out), "--smoke", "--seeds", "0", "--arms", arms]
+    assert main(args) == 0
+    summary = json.loads((out / "controller" / "seed0" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["mix"]["decisions"] >= 1  # smoke steps override common
+    results = json.loads((out / "results.json").read_text())
+    assert results["arms"]["controller"]["media_share"]["mean"] > 0
+    assert results["arms"]["token_weighting"]["tw_s"]["mean"] > 0
+    capsys.readouterr()
+    assert main(["--experiment", str(exp), "--out", str(out), "--seeds", "0", "--matched", "controller"]) == 0
+    printed = capsys.readouterr().out.split()
+    weights = [float(item.split("=")[1]) for item in printed]
+    assert [item.split("=")[0] for item in printed] == [f"data.train.{i}.weight" for i in range(4)]
+    assert abs(sum(weights) - 1) < 1e-3 and weights[3] < 0.86 + 1e-3  # no more text than configured
+    assert main(["--experiment", str(exp), "--out", str(out), "--seeds", "0", "--matched", "static"]) == 2

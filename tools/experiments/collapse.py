@@ -30,7 +30,7 @@ import yaml
 from mmtrain.config import load_config
 from mmtrain.errors import ConfigError, UserError
 from mmtrain.run_config import RunConfig
-from tools.experiments.summarize import summarize_runs, write_outputs
+from tools.experiments.summarize import read_run, summarize_runs, write_outputs
 
 DEFAULT = Path("configs/experiments/collapse/experiment.yaml")
 # --smoke: a few steps of each arm on a few tokens (checks the wiring of every arm, not results)
@@ -47,6 +47,7 @@ class Experiment:
     arms: dict[str, list[str]]
     collapse_gap: float = 0.05  # a media task whose final reliance gap is below this has collapsed
     notes: dict[str, str] = field(default_factory=dict)  # arm -> one line for the table
+    common: list[str] = field(default_factory=list)  # overrides of every arm (before the arm's own)
 
 
 @dataclass
@@ -61,7 +62,7 @@ def load_experiment(path: Path) -> Experiment:
     if not path.is_file():
         raise ConfigError(f"{path}: experiment file not found")
     raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    known = {"base", "seeds", "arms", "collapse_gap", "notes"}
+    known = {"base", "seeds", "arms", "collapse_gap", "notes", "common"}
     if not isinstance(raw, dict) or set(raw) - known:
         raise ConfigError(f"{path}: expected a mapping with keys {sorted(known)}")
     if not isinstance(raw.get("arms"), dict) or not raw["arms"]:
@@ -74,8 +75,11 @@ def load_experiment(path: Path) -> Experiment:
     seeds = raw.get("seeds", [0])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
         raise ConfigError(f"{path}: seeds: need a non-empty list of integers")
+    common = raw.get("common") or []
+    if not isinstance(common, list) or not all(isinstance(i, str) for i in common):
+        raise ConfigError(f"{path}: common: need a list of KEY=VALUE strings")
     return Experiment(path.parent / raw.get("base", "base.yaml"), seeds, arms,
-                      float(raw.get("collapse_gap", 0.05)), dict(raw.get("notes") or {}))
+                      float(raw.get("collapse_gap", 0.05)), dict(raw.get("notes") or {}), common)
 
 
 def plan_runs(exp: Experiment, out: Path, arms: list[str], seeds: list[int], extra: list[str]) -> list[Run]:
@@ -86,7 +90,7 @@ def plan_runs(exp: Experiment, out: Path, arms: list[str], seeds: list[int], ext
             raise UserError(f"--arms: unknown arm {arm!r} (known: {', '.join(exp.arms)})")
         for seed in seeds:
             run_dir = out / arm / f"seed{seed}"
-            overrides = [*exp.arms[arm], f"train.seed={seed}", f"data.seed={seed}", *extra,
+            overrides = [*exp.common, *exp.arms[arm], f"train.seed={seed}", f"data.seed={seed}", *extra,
                          f"run_dir={run_dir}"]
             load_config(RunConfig, exp.base, overrides)
             runs.append(Run(arm, seed, run_dir, overrides))
@@ -109,6 +113,22 @@ def run_one(run: Run, base: Path, threads: int, force: bool) -> tuple[Run, float
     return run, time.perf_counter() - t0, code
 
 
+def matched_overrides(exp: Experiment, out: Path, arm: str, seeds: str | None) -> list[str]:
+    """`data.train.N.weight=...` for a fixed mix at ARM's realised average document shares: the fair
+    control for an adaptive mixture (same media documents on average, but not when it chose)."""
+    chosen = [int(s) for s in seeds.split(",")] if seeds else exp.seeds
+    runs = plan_runs(exp, out, [arm], chosen, [])
+    missing = [str(r.run_dir) for r in runs if not (r.run_dir / "summary.json").exists()]
+    if missing:
+        raise UserError(f"--matched {arm}: unfinished runs {missing}")
+    means = [read_run(r.run_dir)["mix_mean"] for r in runs]
+    if not all(means):
+        raise UserError(f"--matched {arm}: its runs logged no mixture shares (no controller?)")
+    shares = {n: sum(m[n] for m in means) / len(means) for n in means[0]}
+    names = [s.name for s in load_config(RunConfig, exp.base, exp.common + exp.arms[arm]).data.train]
+    return [f"data.train.{i}.weight={shares[n]:.4f}" for i, n in enumerate(names)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.experiments.collapse", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a few steps per arm: checks wiring, not results")
     p.add_argument("--force", action="store_true", help="rerun runs that already have a summary")
     p.add_argument("--report", type=Path, help="also copy table.md, results.json and plots here")
+    p.add_argument("--matched", metavar="ARM",
+                   help="print the data.train weights of a fixed mix matched to ARM's finished runs "
+                        "(its document shares averaged over steps and seeds), as --set overrides")
     args = p.parse_args(argv)
 
     from mmtrain.errors import run_guarded
@@ -132,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     exp = load_experiment(args.experiment)
+    if args.matched:
+        print(" ".join(matched_overrides(exp, args.out, args.matched, args.seeds)))
+        return 0
     arms = args.arms.split(",") if args.arms else list(exp.arms)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else exp.seeds
     extra = (SMOKE if args.smoke else []) + args.extra

@@ -19,11 +19,19 @@ from mmtrain.evaluate import MEDIA_TASKS
 SHORT = {"text": "text", "image_text": "image", "video_text": "video"}
 
 
+LATE_STEP = 100  # "late" collapse view: diagnostics points after this step with a gap below collapse_gap
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def read_run(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-    diag_path = run_dir / "diagnostics.jsonl"
-    diags = [json.loads(line) for line in diag_path.read_text(encoding="utf-8").splitlines()
-             if line.strip()] if diag_path.exists() else []
+    diags = _jsonl(run_dir / "diagnostics.jsonl")
+    steps = {r["step"]: r for r in _jsonl(run_dir / "metrics.jsonl") if "eval" not in r}  # last line wins
     end = summary["end"]
     last = diags[-1] if diags else {}
     return {
@@ -31,9 +39,51 @@ def read_run(run_dir: Path) -> dict:
         "attn_mass": {t: _layer_mean(a.get("mass")) for t, a in last.get("attention", {}).items()},
         "effective_rank": last.get("effective_rank", {}),
         "curve": [(d["step"], d.get("reliance_gap", {})) for d in diags],
+        "mismatch_curve": [(d["step"], d["mismatch_gap"]) for d in diags if "mismatch_gap" in d],
+        "mismatch_gap": last.get("mismatch_gap", {}),
+        "pointing": _pointing(last.get("pointing") or {}),
+        "media_share": _media_share(steps.values()),
+        "share_curve": [(s, 1.0 - r["mix"]["text"]) for s, r in sorted(steps.items())
+                        if "mix" in r and "text" in r["mix"] and s % 10 == 0],
+        "mix_mean": _mix_mean(steps.values()),
+        "step_s": statistics.fmean(r["step_s"] for r in steps.values()) if steps else None,
+        "tw_s": _mean_of(r.get("token_weighting", {}).get("seconds") for r in steps.values()),
+        "diag_mismatch_s": _mean_of(d.get("seconds", {}).get("mismatch") for d in diags),
+        "mix": summary.get("mix"),
         "alarms": sum(len(d.get("alarms", [])) for d in diags),
         "tokens": summary["tokens_seen"], "steps": summary["steps"],
     }
+
+
+def _mean_of(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _pointing(p: dict) -> float | None:
+    """Pointing-game accuracy over the categories, weighted by their words."""
+    n = sum(c["n"] for c in p.values())
+    return sum(c["accuracy"] * c["n"] for c in p.values()) / n if n else None
+
+
+def _media_share(records) -> float | None:
+    """Share of the trained tokens that belong to media tasks, over the whole run."""
+    counts = [r["task_tokens"] for r in records if "task_tokens" in r]
+    total = sum(sum(c.values()) for c in counts)
+    return sum(c.get(t, 0) for c in counts for t in MEDIA_TASKS) / total if total else None
+
+
+def _mix_mean(records) -> dict[str, float] | None:
+    """The controller's document shares averaged over the steps (what a matched fixed mix uses)."""
+    mixes = [r["mix"] for r in records if "mix" in r]
+    return {n: statistics.fmean(m[n] for m in mixes) for n in mixes[0]} if mixes else None
+
+
+def late_low_share(curve: list, task: str, gap: float) -> float | None:
+    """Share of the diagnostics points after LATE_STEP whose gap is below `gap` (the late view of
+    collapse: a run that recovers only at the very end still spent most of its time collapsed)."""
+    pts = [g[task] for step, g in curve if step > LATE_STEP and task in g]
+    return sum(v < gap for v in pts) / len(pts) if pts else None
 
 
 def _layer_mean(values: list | None) -> float | None:
@@ -68,11 +118,29 @@ def summarize_runs(runs, exp) -> dict:
             "attn_mass": {t: _stats([r["attn_mass"].get(t) for r in rs]) for t in MEDIA_TASKS},
             "weights": {t: _stats([r["weights"].get(t) for r in rs]) for t in TASK_NAMES},
             "collapsed": {t: sum(r["gap"].get(t, 0.0) < exp.collapse_gap for r in rs) for t in MEDIA_TASKS},
+            "late_low": {t: _stats([late_low_share(r["curve"], t, exp.collapse_gap) for r in rs])
+                         for t in MEDIA_TASKS},
+            "mismatch_gap": {t: _stats([r["mismatch_gap"].get(t) for r in rs]) for t in MEDIA_TASKS},
+            "pointing": _stats([r["pointing"] for r in rs]),
+            "media_share": _stats([r["media_share"] for r in rs]),
+            "mix_mean": _mean_dicts([r["mix_mean"] for r in rs]),
+            "step_s": _stats([r["step_s"] for r in rs]),
+            "tw_s": _stats([r["tw_s"] for r in rs]),
+            "diag_mismatch_s": _stats([r["diag_mismatch_s"] for r in rs]),
+            "restart_s": _stats([(r["mix"] or {}).get("restart_s") for r in rs]),
+            "seed_shares": [r["share_curve"] for r in rs],
+            "seed_mismatch": [{t: [(step, g[t]) for step, g in r["mismatch_curve"] if t in g]
+                               for t in MEDIA_TASKS} for r in rs],
             "curve": _mean_curve([r["curve"] for r in rs]),
             "seed_curves": [{t: [(step, g[t]) for step, g in r["curve"] if t in g] for t in MEDIA_TASKS}
                             for r in rs],
         }
     return {"collapse_gap": exp.collapse_gap, "notes": exp.notes, "arms": arms, "runs": per_run}
+
+
+def _mean_dicts(dicts: list[dict | None]) -> dict[str, float] | None:
+    dicts = [d for d in dicts if d]
+    return {k: statistics.fmean(d[k] for d in dicts) for k in dicts[0]} if dicts else None
 
 
 def _mean_curve(curves: list[list]) -> dict[str, list[tuple[int, float]]]:
@@ -114,27 +182,62 @@ def table_md(results: dict) -> str:
     for arm, note in results.get("notes", {}).items():
         if arm in results["arms"]:
             lines.append(f"- `{arm}`: {note}")
+    if any(a["media_share"] for a in results["arms"].values()):
+        lines += ["", *signals_md(results)]
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(results: dict, out: Path) -> list[Path]:
-    """Per media task: one panel per arm, one line per seed (a mean would hide which seeds collapse)."""
+def _pct(s: dict | None) -> str:
+    return "-" if s is None else f"{100 * s['mean']:.1f}% ± {100 * s['sd']:.1f}"
+
+
+def _sec(s: dict | None) -> str:
+    return "-" if s is None else f"{s['mean']:.3f}"
+
+
+def signals_md(results: dict) -> list[str]:
+    """The second table: the late view of collapse, the mismatch gap, the media-token share, the
+    pointing game and what each mechanism costs."""
+    head = ["arm", "gap<0.05 after step 100 (i / v)", "mismatch gap image", "mismatch gap video",
+            "media-token share", "pointing", "step s", "token weighting s/step", "diag mismatch s/run",
+            "loader restarts s/run"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, a in results["arms"].items():
+        late = " / ".join(_pct(a["late_low"][t]) for t in MEDIA_TASKS)
+        row = [arm, late, *(_ms(a["mismatch_gap"][t], signed=True) for t in MEDIA_TASKS),
+               _pct(a["media_share"]), _ms(a["pointing"]), _sec(a["step_s"]), _sec(a["tw_s"]),
+               _sec(a["diag_mismatch_s"]), _sec(a["restart_s"])]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", f"Late view: share of the diagnostics points after step {LATE_STEP} whose (blanked) "
+              "reliance gap is below the collapse threshold, mean ± sd over seeds. Mismatch gap: loss "
+              "with another document's media minus with its own, last diagnostics run. Media-token "
+              "share: media-task tokens / trained tokens over the run. Pointing: pointing-game accuracy "
+              "of the last diagnostics run (mmtrain/pointing.py, the game of `mmtrain-attn`). Costs are "
+              "wall seconds, two runs sharing the 2-core machine."]
+    return lines
+
+
+def plot_curves(results: dict, out: Path, key: str = "seed_curves", label: str = "reliance gap",
+                stem: str = "reliance_gap") -> list[Path]:
+    """Per media task: one panel per arm, one line per seed (a mean would hide which seeds collapse).
+    `key`: which per-seed curves (seed_curves: the blanked gap; seed_mismatch: the mismatch gap)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = results["arms"]
+    arms = {a: v for a, v in results["arms"].items()
+            if any(c[t] for c in v.get(key, []) for t in MEDIA_TASKS)}
     paths = []
     for task in MEDIA_TASKS:
-        if not any(c[task] for a in arms.values() for c in a["seed_curves"]):
+        if not any(c[task] for a in arms.values() for c in a[key]):
             continue
         cols = min(3, len(arms))
         rows = -(-len(arms) // cols)
         fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.6 * rows), sharex=True, sharey=True,
                                  squeeze=False)
         for ax, (arm, a) in zip(axes.flat, arms.items()):
-            for i, curve in enumerate(a["seed_curves"]):
+            for i, curve in enumerate(a[key]):
                 pts = curve[task]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", linewidth=1, label=f"seed {i}")
             ax.axhline(results["collapse_gap"], color="grey", linestyle=":", linewidth=1)
@@ -142,13 +245,37 @@ def plot_curves(results: dict, out: Path) -> list[Path]:
         for ax in axes.flat[len(arms):]:
             ax.axis("off")
         axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"reliance gap {SHORT[task]} (nats, diagnostics set) against step, per seed")
+        fig.suptitle(f"{label} {SHORT[task]} (nats, diagnostics set) against step, per seed")
         fig.tight_layout()
-        path = out / f"reliance_gap_{task}.png"
+        path = out / f"{stem}_{task}.png"
         fig.savefig(path, dpi=80)
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def plot_shares(results: dict, out: Path) -> list[Path]:
+    """Media document share (1 - text share) against step, per seed, for the controlled arms."""
+    arms = {a: v for a, v in results["arms"].items() if any(v.get("seed_shares", []))}
+    if not arms:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(arms), figsize=(4 * len(arms), 2.8), sharey=True, squeeze=False)
+    for ax, (arm, a) in zip(axes.flat, arms.items()):
+        for i, curve in enumerate(a["seed_shares"]):
+            ax.plot([p[0] for p in curve], [p[1] for p in curve], linewidth=1, label=f"seed {i}")
+        ax.set_title(arm, fontsize=10)
+    axes[0][0].set_ylabel("media document share")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "media_share.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return [path]
 
 
 def plot_final(results: dict, path: Path) -> Path:
@@ -186,6 +313,8 @@ def write_outputs(results: dict, out: Path, report: Path | None) -> list[Path]:
     written[0].write_text(json.dumps(results, indent=2), encoding="utf-8")
     written[1].write_text(table_md(results), encoding="utf-8")
     written += [*plot_curves(results, out), plot_final(results, out / "final.png")]
+    written += plot_curves(results, out, "seed_mismatch", "mismatch gap", "mismatch_gap")
+    written += plot_shares(results, out)
     if report is not None:
         report.mkdir(parents=True, exist_ok=True)
         for path in written:
