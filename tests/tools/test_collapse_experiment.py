@@ -87,13 +87,16 @@ def test_mixture_arms_run_and_a_matched_mix_comes_from_the_controller(tmp_path, 
     exp = _experiment(tmp_path, MIXTURE)
     out = tmp_path / "out"
     arms = "controller,token_weighting,controller_tw"
-    args = ["--experiment", str(exp), "--out", str(out), "--smoke", "--seeds", "0", "--arms", arms]
+    args = ["--experiment", str(exp), "--out", str(out), "--smoke", "--seeds", "0", "--arms", arms,
+            "--attn", "2"]
     assert main(args) == 0
     summary = json.loads((out / "controller" / "seed0" / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["mix"]["decisions"] >= 1  # smoke steps override common
     results = json.loads((out / "results.json").read_text())
     assert results["arms"]["controller"]["media_share"]["mean"] > 0
     assert results["arms"]["token_weighting"]["tw_s"]["mean"] > 0
+    assert (out / "controller" / "seed0" / "attn" / "metrics.json").is_file()  # mmtrain-attn ran
+    assert "pointing (mmtrain-attn)" in (out / "table.md").read_text()
     capsys.readouterr()
     assert main(["--experiment", str(exp), "--out", str(out), "--seeds", "0", "--matched", "controller"]) == 0
     printed = capsys.readouterr().out.split()

@@ -16,6 +16,7 @@ Writes OUT/results.json, OUT/table.md and OUT/*.png (copied to --report DIR when
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -97,6 +98,18 @@ def plan_runs(exp: Experiment, out: Path, arms: list[str], seeds: list[int], ext
     return runs
 
 
+def attn_one(run: Run, n_docs: int, threads: int) -> int:
+    """The attention-map CLI's val report on the run's final checkpoint -> RUN/attn/metrics.json."""
+    out = run.run_dir / "attn"
+    if (out / "metrics.json").exists():
+        return 0
+    summary = json.loads((run.run_dir / "summary.json").read_text(encoding="utf-8"))
+    cmd = [sys.executable, "-m", "mmtrain.attention_maps.cli", "--ckpt", summary["checkpoint"],
+           "--from-val", str(n_docs), "--out", str(out), "--threads", str(threads)]
+    with open(run.run_dir / "attn.log", "w", encoding="utf-8") as log:
+        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
 def run_one(run: Run, base: Path, threads: int, force: bool) -> tuple[Run, float, int]:
     summary = run.run_dir / "summary.json"
     if summary.exists() and not force:
@@ -143,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a few steps per arm: checks wiring, not results")
     p.add_argument("--force", action="store_true", help="rerun runs that already have a summary")
     p.add_argument("--report", type=Path, help="also copy table.md, results.json and plots here")
+    p.add_argument("--attn", type=int, default=0, metavar="N",
+                   help="also run `mmtrain-attn --from-val N` on each run's final checkpoint (its "
+                        "pointing game goes into the table; cached in RUN/attn/)")
     p.add_argument("--matched", metavar="ARM",
                    help="print the data.train weights of a fixed mix matched to ARM's finished runs "
                         "(its document shares averaged over steps and seeds), as --set overrides")
@@ -178,6 +194,13 @@ def _run(args) -> int:
             trained += seconds > 0
     if failed:
         raise UserError(f"{len(failed)} run(s) failed; see {failed[0].run_dir / 'stdout.log'}")
+    if args.attn:
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            codes = list(pool.map(lambda r: attn_one(r, args.attn, args.threads), runs))
+        if any(codes):
+            bad = runs[[bool(c) for c in codes].index(True)]
+            raise UserError(f"mmtrain-attn failed on {sum(map(bool, codes))} run(s); "
+                            f"see {bad.run_dir / 'attn.log'}")
     results = summarize_runs(runs, exp)
     results["wall_min"] = (time.perf_counter() - t0) / 60  # of this invocation
     results["trained_now"] = trained  # runs trained by it (the others were already finished)

@@ -42,6 +42,7 @@ def read_run(run_dir: Path) -> dict:
         "mismatch_curve": [(d["step"], d["mismatch_gap"]) for d in diags if "mismatch_gap" in d],
         "mismatch_gap": last.get("mismatch_gap", {}),
         "pointing": _pointing(last.get("pointing") or {}),
+        "pointing_attn": _attn_pointing(run_dir / "attn" / "metrics.json"),
         "media_share": _media_share(steps.values()),
         "share_curve": [(s, 1.0 - r["mix"]["text"]) for s, r in sorted(steps.items())
                         if "mix" in r and "text" in r["mix"] and s % 10 == 0],
@@ -64,6 +65,14 @@ def _pointing(p: dict) -> float | None:
     """Pointing-game accuracy over the categories, weighted by their words."""
     n = sum(c["n"] for c in p.values())
     return sum(c["accuracy"] * c["n"] for c in p.values()) / n if n else None
+
+
+def _attn_pointing(path: Path) -> float | None:
+    """`mmtrain-attn --from-val`'s pointing game: accuracy of the mean-over-layers map, all words."""
+    if not path.exists():
+        return None
+    game = json.loads(path.read_text(encoding="utf-8")).get("pointing_game") or {}
+    return ((game.get("token") or {}).get("summary") or {}).get("all", {}).get("accuracy_mean_layers")
 
 
 def _media_share(records) -> float | None:
@@ -122,6 +131,7 @@ def summarize_runs(runs, exp) -> dict:
                          for t in MEDIA_TASKS},
             "mismatch_gap": {t: _stats([r["mismatch_gap"].get(t) for r in rs]) for t in MEDIA_TASKS},
             "pointing": _stats([r["pointing"] for r in rs]),
+            "pointing_attn": _stats([r["pointing_attn"] for r in rs]),
             "media_share": _stats([r["media_share"] for r in rs]),
             "mix_mean": _mean_dicts([r["mix_mean"] for r in rs]),
             "step_s": _stats([r["step_s"] for r in rs]),
@@ -199,21 +209,24 @@ def signals_md(results: dict) -> list[str]:
     """The second table: the late view of collapse, the mismatch gap, the media-token share, the
     pointing game and what each mechanism costs."""
     head = ["arm", "gap<0.05 after step 100 (i / v)", "mismatch gap image", "mismatch gap video",
-            "media-token share", "pointing", "step s", "token weighting s/step", "diag mismatch s/run",
+            "media-token share", "pointing (diag)", "pointing (mmtrain-attn)", "step s",
+            "token weighting s/step", "diag mismatch s/run",
             "loader restarts s/run"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, a in results["arms"].items():
         late = " / ".join(_pct(a["late_low"][t]) for t in MEDIA_TASKS)
         row = [arm, late, *(_ms(a["mismatch_gap"][t], signed=True) for t in MEDIA_TASKS),
-               _pct(a["media_share"]), _ms(a["pointing"]), _sec(a["step_s"]), _sec(a["tw_s"]),
+               _pct(a["media_share"]), _ms(a["pointing"]), _ms(a["pointing_attn"]), _sec(a["step_s"]),
+               _sec(a["tw_s"]),
                _sec(a["diag_mismatch_s"]), _sec(a["restart_s"])]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", f"Late view: share of the diagnostics points after step {LATE_STEP} whose (blanked) "
               "reliance gap is below the collapse threshold, mean ± sd over seeds. Mismatch gap: loss "
               "with another document's media minus with its own, last diagnostics run. Media-token "
               "share: media-task tokens / trained tokens over the run. Pointing: pointing-game accuracy "
-              "of the last diagnostics run (mmtrain/pointing.py, the game of `mmtrain-attn`). Costs are "
-              "wall seconds, two runs sharing the 2-core machine."]
+              "(mean-over-layers maps) of the last diagnostics run (8 val media) and of `mmtrain-attn "
+              "--from-val` on the final checkpoint (all words; `--attn N`). Costs are wall seconds, "
+              "two runs sharing the 2-core machine."]
     return lines
 
 
