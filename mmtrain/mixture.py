@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 
 from mmtrain.callbacks import Callback, StepStats
 from mmtrain.data_pipelines.config import MixControllerConfig, SourceConfig
+from mmtrain.evaluate import MEDIA_TASKS
 
 if TYPE_CHECKING:
     from mmtrain.diagnostics import DiagResult
     from mmtrain.trainer import Trainer
 
-MEDIA_TASKS = ("image_text", "video_text")
 
 
 def clip_shares(shares: dict[str, float], lo: dict[str, float], hi: dict[str, float]) -> dict[str, float]:
@@ -74,6 +74,7 @@ class MixController(Callback):
         self.history: list[dict] = []  # one entry per decision: step, gaps, boosts, shares
         self.restart_s = 0.0  # data wait of the steps right after a change (the loader's restart)
         self._changed = False
+        self.shares = self._shares()  # derived from the boosts: recomputed only when they change
         self.use_weights(self.weights())  # the bounds may already move the configured shares
 
     # ----- state -------------------------------------------------------------------------
@@ -87,12 +88,17 @@ class MixController(Callback):
         self.tokens = dict(state["tokens"])
         self.history = list(state["history"])
         self.restart_s = float(state["restart_s"])
+        self.shares = self._shares()
         self.use_weights(self.weights())  # replicated parts load first: the data position goes back
         # into a loader with the weights it was read under
 
     # ----- the rule ------------------------------------------------------------------------
     def weights(self) -> dict[str, float]:
-        """Loader weights now: configured weight x boost, as shares clipped to the bounds."""
+        """Loader weights now (a copy; logged every step, so not recomputed there)."""
+        return dict(self.shares)
+
+    def _shares(self) -> dict[str, float]:
+        """Configured weight x boost, as shares clipped to the bounds."""
         raw = {n: w * self.boost.get(self.cfg.tasks.get(n, ""), 1.0) for n, w in self.base.items()}
         total = sum(raw.values())
         return clip_shares({n: w / total for n, w in raw.items()}, self.cfg.min_share, self.cfg.max_share)
@@ -102,7 +108,7 @@ class MixController(Callback):
 
     def decide(self, gaps: dict[str, float], step: int) -> bool:
         """Update the boosts from this check's gaps; -> whether the weights changed."""
-        cfg, before = self.cfg, self.weights()
+        cfg, before = self.cfg, self.shares
         over_cap = (self.media_share() or 0.0) > cfg.max_media_share
         for task in self.boost:
             gap = gaps.get(task)
@@ -116,9 +122,9 @@ class MixController(Callback):
                 self.boost[task] = min(cfg.max_boost, self.boost[task] * cfg.up)
             elif gap > cfg.high_gap:
                 self.boost[task] = 1.0 + (self.boost[task] - 1.0) * (1.0 - cfg.relax)
-        after = self.weights()
-        self.history.append({"step": step, "gap": dict(gaps), "boost": dict(self.boost), "shares": after,
-                             "media_share": self.media_share(), "over_cap": over_cap})
+        after = self.shares = self._shares()
+        self.history.append({"step": step, "gap": dict(gaps), "boost": dict(self.boost),
+                             "shares": dict(after), "media_share": self.media_share(), "over_cap": over_cap})
         return after != before
 
     # ----- hooks ---------------------------------------------------------------------------
