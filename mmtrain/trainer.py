@@ -44,40 +44,29 @@ from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TEXT, PackedB
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.tokenizer import load_tokenizer
-from mmtrain.diagnostics import frozen_state
 from mmtrain.diagnostics_callback import Diagnostics
 from mmtrain.dist_eval import dummy_batch, evaluate_ranks
 from mmtrain.distributed import DistEnv, all_reduce, current_env, pick_device
 from mmtrain.errors import UserError
-from mmtrain.evaluate import EvalResult, blank_media
+from mmtrain.evaluate import EvalResult
 from mmtrain.faults import FaultInjection, faults_configured
 from mmtrain.logger import RunLogger
 from mmtrain.mixture import MixController
 from mmtrain.models.attention.counts import ATTN_COUNTS
 from mmtrain.models.vision import make_ssl_mask
-from mmtrain.objectives import (
-    MEDIA_TASK_IDS,
-    head_grads,
-    media_tokens,
-    reliance_stats,
-    reliance_weights,
-    reweighted,
-    take_rows,
-    task_losses,
-    token_losses,
-    weighted_total,
-    z_loss,
-)
+from mmtrain.objectives import head_grads, task_losses, weighted_total, z_loss
 from mmtrain.optim import build_optimizer, build_scheduler
 from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync
 from mmtrain.perf import Throughput, peak_tflops
 from mmtrain.run_config import RunConfig
 from mmtrain.run_dir import RESOLVED_CONFIG, prepare_run_dir
+from mmtrain.token_weighting import STAT_KEYS as TW_KEYS
+from mmtrain.token_weighting import TokenWeighting, step_figures
 from mmtrain.train_state import LoaderPart, ModelPart, OptimizerPart, Parts, RNGPart, TrainState
 
 _STATS = ("loss", *(f"sum_{t}" for t in TASK_NAMES), *(f"n_{t}" for t in TASK_NAMES),
           *(f"hit_{t}" for t in TASK_NAMES), "ssl", "tokens", "visual", "media", "patches", "wait_s",
-          "nonfinite", "time_up", "tw_s", "tw_n", "tw_delta", "tw_top", "tw_top_n")
+          "nonfinite", "time_up", *TW_KEYS)
 
 __all__ = ["StepStats", "Trainer"]
 
@@ -110,6 +99,9 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, cfg.train.keep_last, self.env)
         self.callbacks = Callbacks([*self.builtin_callbacks(), *callbacks, *self.fault_callbacks()])
         self._mix = self.callbacks.get(MixController)
+        tw_cfg = cfg.loss.token_weighting
+        self.token_weighting = TokenWeighting(tw_cfg, self.model, self.device, self.autocast, self.pad_batch,
+                                              cfg.dist.strategy == "fsdp") if tw_cfg.strength else None
         self._head_g: dict[str, torch.Tensor] = {}  # GradNorm: LM-head gradient per task, this step
         self._attn_acc: dict[int, torch.Tensor] | None = None  # attention counts, on log steps
         self.attn_stats: dict[int, dict] = {}  # per layer, latest log step: kept_frac, keys_per_token
@@ -294,7 +286,7 @@ class Trainer:
         return StepStats(total["loss"], task_loss, task_acc, grad_norm, tokens, total["wait_s"] / world,
                          time.perf_counter() - t_start, skipped, int(total["visual"]), int(total["media"]),
                          int(total["patches"]), total["time_up"] > 0, ssl,
-                         {t: int(total[f"n_{t}"]) for t in TASK_NAMES}, _tw_stats(total, world))
+                         {t: int(total[f"n_{t}"]) for t in TASK_NAMES}, step_figures(total, world))
 
     def _micro_batch(self, batch: PackedBatch, weights: dict[str, float], acc: dict) -> torch.Tensor:
         """Forward one micro-batch; -> this rank's share of its loss (the whole loss in one process)."""
@@ -306,8 +298,8 @@ class Trainer:
         ssl_cfg = self.cfg.loss.visual_ssl
         ssl_mask = self._ssl_mask(batch) if ssl_cfg.weight else None
         # token weighting: the blank forward first, so its activations are gone before the graph's
-        ce_blank_BS = (self._blank_ce(batch, counts if world > 1 else None, acc)
-                       if self.cfg.loss.token_weighting.strength else None)
+        tw = self.token_weighting
+        ce_blank_BS = tw.blank_ce(batch, counts if world > 1 else None, acc) if tw else None
         with self.autocast():
             out = self.model(**batch.model_inputs(), ssl_mask_N=ssl_mask,
                              attn_stats=self._attn_acc is not None)
@@ -319,7 +311,7 @@ class Trainer:
         if world > 1:  # the same sum as one process would form over the global micro-batch
             losses.count = {t: torch.tensor(int(counts[i]), device=self.device)
                             for i, t in enumerate(TASK_NAMES)}
-        objective = losses if ce_blank_BS is None else self._reweight(losses, ce_blank_BS, batch, acc)
+        objective = losses if ce_blank_BS is None else tw.reweight(losses, ce_blank_BS, batch, acc)
         loss = weighted_total(objective, weights)
         if self.balancer.needs_grad_norms:
             self._add_head_grads(out, batch, losses.count)
@@ -344,45 +336,6 @@ class Trainer:
         acc["media"] += batch.grid_thw_M3.shape[0]
         acc["patches"] += batch.patches_NP.shape[0]
         return loss
-
-    def _blank_ce(self, batch: PackedBatch, counts: list[float] | None, acc: dict) -> torch.Tensor | None:
-        """Token weighting: (B, S) cross-entropy with every medium blanked, forwarded only on the rows
-        that hold media-task trained tokens (0 on the others); None when this rank has none.
-
-        `counts`: the global per-task counts (distributed runs). Under FSDP every forward is
-        collective, so a rank without media tokens joins the others' with the one-row pad batch.
-        """
-        rows_R = media_tokens(batch.labels_BS, batch.task_BS).any(1).nonzero().squeeze(1)
-        if not len(rows_R):
-            others = counts is not None and any(counts[i] for i in MEDIA_TASK_IDS)
-            if others and self.cfg.dist.strategy == "fsdp":
-                self._frozen_ce(self.pad_batch().to(self.device), acc)
-            return None
-        sub = batch if len(rows_R) == batch.labels_BS.shape[0] else take_rows(batch, rows_R)
-        ce_RS = self._frozen_ce(blank_media(sub), acc)
-        return torch.zeros(batch.labels_BS.shape, device=self.device).index_copy_(0, rows_R, ce_RS)
-
-    def _frozen_ce(self, batch: PackedBatch, acc: dict) -> torch.Tensor:
-        """Per-token CE of a forward that leaves training state alone: no grad, every module in eval
-        mode (MoE layers then count no expert load), the RNG streams restored. Its time -> acc["tw_s"]."""
-        t0 = time.perf_counter()
-        with torch.no_grad(), frozen_state(self.model, self.device), self.autocast():
-            logits_BSV = self.model(**batch.model_inputs()).logits_BSV
-        ce_BS = token_losses(logits_BSV, batch.labels_BS)
-        if self.device.type == "cuda":  # the forward's GPU time, not its launch time
-            torch.cuda.synchronize(self.device)
-        acc["tw_s"] += time.perf_counter() - t0
-        return ce_BS
-
-    def _reweight(self, losses, ce_blank_BS: torch.Tensor, batch: PackedBatch, acc: dict):
-        """`losses` with the media tasks' tokens weighted by reliance (the sums to optimise); the
-        unweighted `losses` stay what is logged and balanced."""
-        cfg, labels_BS, task_BS = self.cfg.loss.token_weighting, batch.labels_BS, batch.task_BS
-        ce_real_BS = losses.ce_BS.detach()
-        w_BS = reliance_weights(ce_real_BS, ce_blank_BS, labels_BS, task_BS, cfg.strength, cfg.floor)
-        for key, value in reliance_stats(ce_real_BS, ce_blank_BS, w_BS, labels_BS, task_BS).items():
-            acc[key] += float(value)
-        return reweighted(losses, w_BS, labels_BS, task_BS)
 
     def _finish_attn_stats(self) -> None:
         """Sum the layers' attention counts over micro-batches and ranks -> self.attn_stats."""
@@ -545,15 +498,6 @@ class Trainer:
             "world_size": self.env.world_size, "start": st.evals[0], "end": st.evals[-1],
             "balancer": self.cfg.loss.balancer.kind, "weights": self.balancer.weights(),
         }
-
-
-def _tw_stats(total: dict, world: int) -> dict[str, float] | None:
-    """Token weighting's step figures: blank-forward seconds (mean over ranks), mean positive loss
-    difference blank - real of the weighted tokens, mean weight of each micro-batch's top decile."""
-    if not total["tw_n"]:
-        return None
-    return {"seconds": total["tw_s"] / world, "mean_delta": total["tw_delta"] / total["tw_n"],
-            "top_decile_weight": total["tw_top"] / max(total["tw_top_n"], 1.0)}
 
 
 def _due(step: int, every: int) -> bool:

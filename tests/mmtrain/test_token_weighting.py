@@ -134,7 +134,7 @@ def test_the_blank_forward_leaves_training_state_alone(weighted, batch):
     weighted.model.train()
     moe = next(iter(weighted.raw_model.moe_layers().values()))
     before, acc = _snapshot(weighted), {"tw_s": 0.0}
-    ce_blank_BS = weighted._blank_ce(batch, None, acc)
+    ce_blank_BS = weighted.token_weighting.blank_ce(batch, None, acc)
     after = _snapshot(weighted)
     assert after["flags"] == before["flags"] and all(before["flags"])
     assert torch.equal(after["rng"], before["rng"])

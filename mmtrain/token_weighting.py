@@ -1,0 +1,92 @@
+"""Token reliance weighting (`loss.token_weighting`) inside the train step.
+
+Before the training forward of a micro-batch, a forward without grad with every medium blanked,
+on the rows that hold media-task trained tokens only (`objectives.take_rows`; documents never
+cross rows, so the rows' outputs equal the whole batch's), gives each caption token's loss
+without the pixels. The media tasks' loss then weights each token by how much the pixels help
+(`objectives.reliance_weights`); the unweighted losses stay what is logged and balanced.
+
+It runs first so its activations are freed before the training graph exists. Training state is
+left alone (`diagnostics.frozen_state`: eval mode, so MoE layers count no load, RNG restored).
+Its step figures are summed in the trainer's `acc` under the `tw_*` keys (STAT_KEYS).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from mmtrain.data_pipelines.batch import PackedBatch
+from mmtrain.diagnostics import frozen_state
+from mmtrain.evaluate import blank_media
+from mmtrain.objectives import (
+    MEDIA_TASK_IDS,
+    TaskLosses,
+    media_tokens,
+    reliance_stats,
+    reliance_weights,
+    reweighted,
+    take_rows,
+    token_losses,
+)
+from mmtrain.run_config import TokenWeightingConfig
+
+STAT_KEYS = ("tw_s", "tw_n", "tw_delta", "tw_top", "tw_top_n")  # sums over micro-batches and ranks
+
+
+class TokenWeighting:
+    def __init__(self, cfg: TokenWeightingConfig, model: torch.nn.Module, device: torch.device,
+                 autocast: Callable, pad_batch: Callable[[], PackedBatch], fsdp: bool):
+        self.cfg, self.model, self.device = cfg, model, device
+        self.autocast, self.pad_batch, self.fsdp = autocast, pad_batch, fsdp
+
+    def blank_ce(self, batch: PackedBatch, counts: list[float] | None, acc: dict) -> torch.Tensor | None:
+        """(B, S) cross-entropy with every medium blanked, forwarded only on the rows that hold
+        media-task trained tokens (0 on the others); None when this rank has none.
+
+        `counts`: the global per-task counts (distributed runs). Under FSDP every forward is
+        collective, so a rank without media tokens joins the others' with the one-row pad batch.
+        """
+        rows_R = media_tokens(batch.labels_BS, batch.task_BS).any(1).nonzero().squeeze(1)
+        if not len(rows_R):
+            others = counts is not None and any(counts[i] for i in MEDIA_TASK_IDS)
+            if others and self.fsdp:
+                self._frozen_ce(self.pad_batch().to(self.device), acc)
+            return None
+        sub = batch if len(rows_R) == batch.labels_BS.shape[0] else take_rows(batch, rows_R)
+        ce_RS = self._frozen_ce(blank_media(sub), acc)
+        return torch.zeros(batch.labels_BS.shape, device=self.device).index_copy_(0, rows_R, ce_RS)
+
+    def _frozen_ce(self, batch: PackedBatch, acc: dict) -> torch.Tensor:
+        """Per-token CE of a forward that leaves training state alone. Its time -> acc["tw_s"]."""
+        t0 = time.perf_counter()
+        with torch.no_grad(), frozen_state(self.model, self.device), self.autocast():
+            logits_BSV = self.model(**batch.model_inputs()).logits_BSV
+        ce_BS = token_losses(logits_BSV, batch.labels_BS)
+        if self.device.type == "cuda":  # the forward's GPU time, not its launch time
+            torch.cuda.synchronize(self.device)
+        acc["tw_s"] += time.perf_counter() - t0
+        return ce_BS
+
+    def reweight(self, losses: TaskLosses, ce_blank_BS: torch.Tensor, batch: PackedBatch,
+                 acc: dict) -> TaskLosses:
+        """`losses` with the media tasks' tokens weighted by reliance (the sums to optimise)."""
+        labels_BS, task_BS = batch.labels_BS, batch.task_BS
+        ce_real_BS = losses.ce_BS.detach()
+        cfg = self.cfg
+        w_BS = reliance_weights(ce_real_BS, ce_blank_BS, labels_BS, task_BS, cfg.strength, cfg.floor)
+        for key, value in reliance_stats(ce_real_BS, ce_blank_BS, w_BS, labels_BS, task_BS).items():
+            acc[key] += float(value)
+        return reweighted(losses, w_BS, labels_BS, task_BS)
+
+
+def step_figures(total: dict, world: int) -> dict[str, float] | None:
+    """A step's figures from the all-reduced sums: blank-forward seconds (mean over ranks), mean
+    positive loss difference blank - real of the weighted tokens, mean weight of each micro-batch's
+    top decile. None when no token was weighted."""
+    if not total["tw_n"]:
+        return None
+    return {"seconds": total["tw_s"] / world, "mean_delta": total["tw_delta"] / total["tw_n"],
+            "top_decile_weight": total["tw_top"] / max(total["tw_top_n"], 1.0)}
