@@ -177,6 +177,8 @@ class Decoder(nn.Module):
         aux_losses: dict[str, Tensor] = {}
         load, entropy = {}, {}
         for i, layer in enumerate(self.layers):
+            if i in captures or i in stats:  # measuring: the eager layer (a compiled one would
+                layer = getattr(layer, "_orig_mod", layer)  # break its graph and recompile)
             h_BSD, aux = layer(h_BSD, cos_B1SF, sin_B1SF, meta, self.cfg.attention, modality_BS,
                                captures.get(i), stats.get(i))
             if aux:

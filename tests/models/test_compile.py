@@ -38,15 +38,21 @@ def loss_and_grads(model, batch):
     return loss.detach(), grads
 
 
-def test_compiled_blocks_no_graph_breaks_same_gradients(seed):
-    cfg = tiny()
-    eager = MultimodalModel(cfg).train()
+def compiled_copy(eager: MultimodalModel) -> MultimodalModel:
+    """A copy with every block compiled as `dist.compile` does; Dynamo's caches and counters reset."""
     compiled = copy.deepcopy(eager)
     for blocks in (compiled.vision.blocks, compiled.decoder.layers):
         for i, block in enumerate(blocks):
             blocks[i] = torch.compile(block, backend="aot_eager")
     torch._dynamo.reset()
     counters.clear()
+    return compiled
+
+
+def test_compiled_blocks_no_graph_breaks_same_gradients(seed):
+    cfg = tiny()
+    eager = MultimodalModel(cfg).train()
+    compiled = compiled_copy(eager)
     for _ in range(3):  # new documents, spans and routing every step: no break, no per-batch graph
         batch = random_batch(cfg, 2, 96, 0.25, 4)
         (l_c, g_c), (l_e, g_e) = loss_and_grads(compiled, batch), loss_and_grads(eager, batch)
@@ -63,3 +69,27 @@ def test_build_meta_has_no_host_sync():
     assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
     meta = build_meta(doc_BS, span_BS, 4)  # the host values are computed on first use
     assert meta.has_spans == bool((span_BS >= 0).any()) and meta.num_ablocks >= 1
+
+
+def test_measuring_forwards_run_the_eager_layers_no_break_no_recompile(seed):
+    """The trainer asks for attention counts on log steps and the diagnostics capture q/k: those
+    forwards must not break a compiled layer's graph or add graphs (the break once left a graph
+    fragment that Inductor failed to compile, ending a `dist.compile` run at its 10th step)."""
+    cfg = tiny()
+    eager = MultimodalModel(cfg).train()
+    compiled = compiled_copy(eager)
+    batch = random_batch(cfg, 2, 96, 0.25, 4)
+    loss_and_grads(compiled, batch)
+    graphs = counters["stats"]["unique_graphs"]
+    stats_c = compiled(**batch, attn_stats=True).attn_stats
+    stats_e = eager(**batch, attn_stats=True).attn_stats
+    assert stats_c.keys() == stats_e.keys() == set(range(4))
+    for i in stats_e:
+        assert {k: int(v) for k, v in stats_c[i].items()} == {k: int(v) for k, v in stats_e[i].items()}
+    cap = compiled(**batch, capture_layers=[0, 1]).captures  # a full and a sparse layer
+    assert set(cap[0]) == {"q", "k"} and set(cap[1]) == {"q", "k", "selection"}
+    l_c, _ = loss_and_grads(compiled, batch)
+    l_e, _ = loss_and_grads(eager, batch)
+    assert torch.allclose(l_c, l_e, atol=1e-5)
+    assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == graphs
