@@ -15,8 +15,9 @@ SDPA's own backward (the replaced rows of the causal call get no gradient, as th
 Documents that are not contiguous runs of their row fall back to the caller (`plan` -> None).
 
 Under torch.compile the eager body runs inside an opaque custom op (the plan is data dependent:
-no graph break, no recompilation per batch); its backward is a second opaque op that replays the
-plan with aten's CPU flash forward (for the log-sum-exp: one extra attention forward) and backward.
+no graph break, no recompilation per batch). On CPU it runs aten's flash forward per call and
+also returns every row's log-sum-exp, which autograd saves with the output; its backward, a second
+opaque op, replays the plan with aten's flash backward on those (no second attention forward).
 
 Legend: B batch, H query heads, K kv heads, S tokens, D head dim, N segments / patches of a row.
 """
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .meta import token_mask
-from .opaque import recompute_grads, register_qkv_backward
+from .opaque import recompute_grads
 
 Tensor = torch.Tensor
 PATCH_GAP = 64  # spans closer than this are recomputed in one patch
@@ -104,53 +105,87 @@ def _mask(doc_S: Tensor, skey_S: Tensor, qs: int, qe: int, ks: int, ke: int) -> 
                       skey_S[None, ks:ke], pos_k[None])
 
 
-def _masked(q_1HSD: Tensor, k_1KSD: Tensor, v_1KSD: Tensor, doc_S: Tensor, skey_S: Tensor, qs: int, qe: int,
-            ks: int, ke: int, gqa: bool) -> Tensor:
-    """Queries [qs, qe) over keys [ks, ke) with the token rule as the mask."""
-    mask = _mask(doc_S, skey_S, qs, qe, ks, ke)
-    return F.scaled_dot_product_attention(q_1HSD[:, :, qs:qe], k_1KSD[:, :, ks:ke], v_1KSD[:, :, ks:ke],
-                                          attn_mask=mask, enable_gqa=gqa)
-
-
-def _row(q_1HSD: Tensor, k_1KSD: Tensor, v_1KSD: Tensor, doc_S: Tensor, skey_S: Tensor, segs: list[Segment],
-         gqa: bool) -> Tensor:
-    """One row (kept 4-D: CPU SDPA runs its fused kernel only on 4-D inputs, else the math path)."""
+def _pieces(segs: list[Segment], call, doc_S: Tensor, skey_S: Tensor) -> list[tuple[Tensor, ...]]:
+    """One row's results in row order. `call(qs, qe, ks, ke, mask, causal)` runs one fused call
+    (queries [qs, qe) over keys [ks, ke)) and returns a tuple of (1, H, qe - qs, ...) tensors;
+    the causal calls' results are cut around the span patches, whose own calls fill the gaps."""
     pieces = []
     for seg in segs:
         s, e = seg.start, seg.end
         if seg.kind == "mask":
-            pieces.append(_masked(q_1HSD, k_1KSD, v_1KSD, doc_S, skey_S, s, e, s, e, gqa))
+            pieces.append(call(s, e, s, e, _mask(doc_S, skey_S, s, e, s, e), False))
             continue
-        o_1HSD = F.scaled_dot_product_attention(q_1HSD[:, :, s:e], k_1KSD[:, :, s:e], v_1KSD[:, :, s:e],
-                                                is_causal=seg.kind == "causal", enable_gqa=gqa)
+        res = call(s, e, s, e, None, seg.kind == "causal")
         at = s
         for a, b, ks in seg.patches:
-            pieces.append(o_1HSD[:, :, at - s:a - s])
-            pieces.append(_masked(q_1HSD, k_1KSD, v_1KSD, doc_S, skey_S, a, b, ks, b, gqa))
+            pieces.append(tuple(t[:, :, at - s:a - s] for t in res))
+            pieces.append(call(a, b, ks, b, _mask(doc_S, skey_S, a, b, ks, b), False))
             at = b
-        pieces.append(o_1HSD[:, :, at - s:])
-    return torch.cat(pieces, 2) if len(pieces) > 1 else pieces[0]
+        pieces.append(tuple(t[:, :, at - s:] for t in res))
+    return pieces
+
+
+def _join(pieces: list[tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
+    return tuple(torch.cat(parts, 2) if len(parts) > 1 else parts[0] for parts in zip(*pieces))
 
 
 def attend_rows(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, doc_BS: Tensor, skey_BS: Tensor,
                 rows: list[list[Segment]]) -> Tensor:
-    """The eager body: every row by its plan (SDPA's default scale 1 / sqrt(D))."""
+    """The eager body: every row by its plan (SDPA's default scale 1 / sqrt(D)), kept 4-D (CPU SDPA
+    runs its fused kernel only on 4-D inputs, else the math path); autograd through SDPA."""
     gqa = q_BHSD.shape[1] != k_BKSD.shape[1]
-    outs = [_row(q_BHSD[b:b + 1], k_BKSD[b:b + 1], v_BKSD[b:b + 1], doc_BS[b], skey_BS[b], rows[b], gqa)
-            for b in range(q_BHSD.shape[0])]
+    outs = []
+    for b, segs in enumerate(rows):
+        q, k, v = q_BHSD[b:b + 1], k_BKSD[b:b + 1], v_BKSD[b:b + 1]
+
+        def call(qs, qe, ks, ke, mask, causal, q=q, k=k, v=v):
+            return (F.scaled_dot_product_attention(q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke],
+                                                   attn_mask=mask, is_causal=causal, enable_gqa=gqa),)
+        outs.append(_join(_pieces(segs, call, doc_BS[b], skey_BS[b]))[0])
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _flash(q, k, v, b, qs, qe, ks, ke, mask, causal) -> tuple[Tensor, Tensor]:
+    """One call of aten's CPU flash forward (GQA native) -> (out (1, H, L, D), lse (1, H, L) fp32)."""
+    qi, ki, vi = (t[b:b + 1, :, lo:hi].contiguous() for t, lo, hi in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qi, ki, vi, 0.0, causal,
+                                                                          attn_mask=_bias(mask, q))
+    return out, lse
+
+
+def _bias(mask: Tensor | None, like: Tensor) -> Tensor | None:
+    """aten's flash ops take the mask as an additive bias."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, float("-inf"))
+
+
+def _forward_rows(q, k, v, doc_BS, skey_BS, rows) -> tuple[Tensor, Tensor]:
+    """The custom op's CPU body: (out (B, H, S, D), lse (B, H, S)), the lse saved for backward."""
+    outs = []
+    for b, segs in enumerate(rows):
+        def call(qs, qe, ks, ke, mask, causal, b=b):
+            return _flash(q, k, v, b, qs, qe, ks, ke, mask, causal)
+        outs.append(_join(_pieces(segs, call, doc_BS[b], skey_BS[b])))
+    return tuple(torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*outs))
 
 
 @torch.library.custom_op("mmtrain::sdpa_full", mutates_args=())
 def sdpa_full_op(q: Tensor, k: Tensor, v: Tensor, doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor,
-                 group: int) -> Tensor:
+                 group: int) -> tuple[Tensor, Tensor]:
+    """-> (out, lse). On CPU the lse of every row is kept for the backward (no second forward);
+    elsewhere it is zeros and the backward recomputes with autograd."""
     rows = _rows_or_masked(doc_BS, skey_BS, span_last_BS, group)
-    return attend_rows(q, k, v, doc_BS, skey_BS, rows).contiguous()
+    if q.device.type != "cpu":
+        out = attend_rows(q, k, v, doc_BS, skey_BS, rows)
+        return out.contiguous(), q.new_zeros(q.shape[:3], dtype=torch.float32)
+    out, lse = _forward_rows(q.contiguous(), k.contiguous(), v.contiguous(), doc_BS, skey_BS, rows)
+    return out.contiguous(), lse.float().contiguous()
 
 
 @sdpa_full_op.register_fake  # outputs contiguous (the real ones are made so)
 def _(q, k, v, doc_BS, skey_BS, span_last_BS, group):
-    return q.new_empty(q.shape)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _rows_or_masked(doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor, group: int) -> list[list[Segment]]:
@@ -160,22 +195,23 @@ def _rows_or_masked(doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor, group
             for b in range(doc_BS.shape[0])]
 
 
-def _call_backward(grads, grad_1HSD, q, k, v, b, qs, qe, ks, ke, mask, causal) -> None:
-    """Recompute one fused call (aten's CPU flash ops, GQA native) and accumulate its gradients."""
+def _call_backward(grads, grad_1HSD, q, k, v, out, lse, b, qs, qe, ks, ke, mask, causal) -> None:
+    """One fused call's backward from the saved output and lse; accumulate its gradients.
+
+    The rows of a causal call that a span patch replaced get a zero gradient here, and their saved
+    out / lse are the patch's: with dO = 0 the kernel's row terms vanish whatever O and lse are
+    (lse finite: the patch's is over a superset of the causal keys)."""
     dq, dk, dv = grads
     qi, ki, vi = (t[b:b + 1, :, lo:hi].contiguous() for t, lo, hi in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
-    bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-        ~mask, float("-inf"))
-    aten = torch.ops.aten
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(qi, ki, vi, 0.0, causal, attn_mask=bias)
-    gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_1HSD.contiguous(), qi, ki, vi, out, lse, 0.0, causal, attn_mask=bias)
+    oi, li = out[b:b + 1, :, qs:qe].contiguous(), lse[b:b + 1, :, qs:qe].contiguous()
+    gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_1HSD.contiguous(), qi, ki, vi, oi, li, 0.0, causal, attn_mask=_bias(mask, q))
     dq[b:b + 1, :, qs:qe] += gq
     dk[b:b + 1, :, ks:ke] += gk
     dv[b:b + 1, :, ks:ke] += gv
 
 
-def _backward_rows(grad, q, k, v, doc_BS, skey_BS, rows) -> tuple[Tensor, Tensor, Tensor]:
+def _backward_rows(grad, q, k, v, out, lse, doc_BS, skey_BS, rows) -> tuple[Tensor, Tensor, Tensor]:
     grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     for b, segs in enumerate(rows):
         doc_S, skey_S = doc_BS[b], skey_BS[b]
@@ -184,35 +220,53 @@ def _backward_rows(grad, q, k, v, doc_BS, skey_BS, rows) -> tuple[Tensor, Tensor
             g = grad[b:b + 1, :, s:e]
             if seg.kind == "mask":
                 mask = _mask(doc_S, skey_S, s, e, s, e)
-                _call_backward(grads, g, q, k, v, b, s, e, s, e, mask, False)
+                _call_backward(grads, g, q, k, v, out, lse, b, s, e, s, e, mask, False)
                 continue
             if seg.patches:  # the patched rows' output came from the patch calls
                 g = g.clone()
                 for a, z, _ in seg.patches:
                     g[:, :, a - s:z - s] = 0
-            _call_backward(grads, g, q, k, v, b, s, e, s, e, None, seg.kind == "causal")
+            _call_backward(grads, g, q, k, v, out, lse, b, s, e, s, e, None, seg.kind == "causal")
             for a, z, ks in seg.patches:
                 mask = _mask(doc_S, skey_S, a, z, ks, z)
-                _call_backward(grads, grad[b:b + 1, :, a:z], q, k, v, b, a, z, ks, z, mask, False)
+                _call_backward(grads, grad[b:b + 1, :, a:z], q, k, v, out, lse, b, a, z, ks, z, mask, False)
     return grads
 
 
 @torch.library.custom_op("mmtrain::sdpa_full_backward", mutates_args=())
-def sdpa_full_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, doc_BS: Tensor, skey_BS: Tensor,
-                          span_last_BS: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
+def sdpa_full_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor, group: int
+                          ) -> tuple[Tensor, Tensor, Tensor]:
     rows = _rows_or_masked(doc_BS, skey_BS, span_last_BS, group)
-    if q.device.type != "cpu":  # aten's flash ops above are the CPU ones: recompute with autograd
+    if q.device.type != "cpu":  # no saved lse there: recompute with autograd
         return recompute_grads(lambda *qkv: attend_rows(*qkv, doc_BS, skey_BS, rows), grad, q, k, v)
-    return _backward_rows(grad, q.contiguous(), k.contiguous(), v.contiguous(), doc_BS, skey_BS, rows)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _backward_rows(grad, q, k, v, out, lse, doc_BS, skey_BS, rows)
 
 
-register_qkv_backward(sdpa_full_op, sdpa_full_backward_op)
+@sdpa_full_backward_op.register_fake
+def _(grad, q, k, v, out, lse, doc_BS, skey_BS, span_last_BS, group):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, doc_BS, skey_BS, span_last_BS, group = inputs
+    ctx.save_for_backward(q, k, v, *output, doc_BS, skey_BS, span_last_BS)
+    ctx.group = group
+
+
+def _backward(ctx, grad, _grad_lse):
+    dq, dk, dv = sdpa_full_backward_op(grad.contiguous(), *ctx.saved_tensors, ctx.group)
+    return dq, dk, dv, None, None, None, None
+
+
+sdpa_full_op.register_autograd(_backward, setup_context=_setup)
 
 
 def attend_sdpa_full(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta, group: int) -> Tensor | None:
     """A full layer by fused SDPA calls, or None when a document is not one contiguous run."""
     if torch.compiler.is_compiling():
-        return sdpa_full_op(q_BHSD, k_BKSD, v_BKSD, meta.doc_BS, meta.skey_BS, meta.span_last_BS, group)
+        return sdpa_full_op(q_BHSD, k_BKSD, v_BKSD, meta.doc_BS, meta.skey_BS, meta.span_last_BS, group)[0]
     key = ("sdpa_plan", group)
     if key not in meta.cache:
         meta.cache[key] = plan(meta.doc_BS, meta.skey_BS, meta.span_last_BS, group)

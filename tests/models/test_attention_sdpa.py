@@ -68,18 +68,32 @@ def test_sdpa_documents_not_contiguous_fall_back(seed):
     assert plan(meta.doc_BS, meta.skey_BS, meta.span_last_BS, 4) is None
 
 
-def test_sdpa_custom_op_matches_dense(seed):
-    """The opaque op that torch.compile sees (its backward recomputes): also any row layout."""
-    B, S = 2, random.randint(30, 200)
-    doc_BS, span_BS = random_batch(B, S, 8)
-    if random.random() < 0.5:
-        doc_BS[0] = torch.randint(0, 3, (S,), dtype=torch.int32)
-        span_BS[0] = -1
+@pytest.mark.parametrize("layout", ["random", "every kind"])
+def test_sdpa_custom_op_matches_dense(seed, layout):
+    """The opaque op that torch.compile sees (its backward runs from the saved lse): any row layout,
+    and a row with every kind of segment (causal with span patches, one span, grouped, padding)."""
+    if layout == "random":
+        B, S = 2, random.randint(30, 200)
+        doc_BS, span_BS = random_batch(B, S, 8)
+        if random.random() < 0.5:
+            doc_BS[0] = torch.randint(0, 3, (S,), dtype=torch.int32)
+            span_BS[0] = -1
+    else:
+        one_span = torch.zeros(random.randint(20, 40), dtype=torch.int32)
+        docs = [random_doc_spans(random.randint(100, 200), 8), one_span,
+                *[random_doc_spans(random.randint(1, 12), 4) for _ in range(3)]]
+        doc_S, span_S = pack_row(docs, sum(len(d) for d in docs) + random.randint(0, 7))
+        doc_BS, span_BS = doc_S[None], span_S[None]
+        B, S = doc_BS.shape
     meta = build_meta(doc_BS, span_BS, 8)
     q, k, v = random_qkv(B, 4, 2, S, 16)
     w = torch.randn(B, 4, S, 16)
     ref = run(q, k, v, meta, AttentionConfig(backend="dense", dense_impl="eager", block_size=8), w)
-    out = sdpa_full_op(q, k, v, meta.doc_BS, meta.skey_BS, meta.span_last_BS, 16)
+    if layout == "every kind":
+        kinds = {s.kind for s in plan(meta.doc_BS, meta.skey_BS, meta.span_last_BS, 16)[0]}
+        assert kinds == {"causal", "full", "mask"}, kinds
+    out, lse = sdpa_full_op(q, k, v, meta.doc_BS, meta.skey_BS, meta.span_last_BS, 16)
+    assert lse.shape == (B, 4, S) and torch.isfinite(lse).all()
     got = (out, *torch.autograd.grad((out * w).sum(), (q, k, v)))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
         assert rel_err(a, b) < 1e-4, f"seed={seed} {name} {rel_err(a, b):.2e}"
