@@ -32,6 +32,9 @@ class AttentionConfig:
     dense_impl: Literal["sdpa", "eager"] = "sdpa"  # eager = the fp32 reference
     gather_chunk: int = 32  # query blocks per gather chunk (bounds the transient memory)
     gather_checkpoint: bool = True  # recompute each chunk in backward: O(S*D) saved, not O(S*k*B)
+    # ... only when a layer's gathered tiles (keys, values, the fused call's mask) would hold more
+    # than this many MiB: below it keeping them costs less than the recompute (0: always).
+    gather_checkpoint_mib: float = 1024.0
     full_tile: int = 64  # query tokens per tile of a full layer's gather path (it has no blocks)
     sdpa_group: int = 256  # sdpa: documents up to this long are grouped into masked calls (sdpa.py)
     # gather's tile attention: "sdpa" = one fused SDPA call per chunk of tiles with the tile's rule
@@ -45,3 +48,4 @@ class AttentionConfig:
         check(self, "dense_impl", "gather_kernel", choices=("sdpa", "eager"))
         check(self, "block_size", "full_tile", "gather_chunk", ge=1)
         check(self, "window", "top_k", "sdpa_group", ge=0)  # sdpa_group 0: no grouping
+        check(self, "gather_checkpoint_mib", ge=0)

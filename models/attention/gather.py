@@ -5,7 +5,8 @@ call, shorter lists padded with a null block whose keys match no query) are gath
 rule (and for sparse layers the per-token block rule, `blocks.kept`) is applied inside them, and
 a softmax over the T * Bs gathered keys gives the output. Vectorised over tiles, processed in
 chunks of tiles to bound the transient memory; with `gather_checkpoint` each chunk is recomputed
-in backward (activation memory O(S * D) + one chunk's O(C * T * Bs^2)).
+in backward (activation memory O(S * D) + one chunk's O(C * T * Bs^2)) once the layer's gathered
+tiles would hold more than `gather_checkpoint_mib` (short rows keep them: cheaper than recomputing).
   * sparse layers run on the aligned layout (meta.py): tiles are document blocks, the lists
     come from `blocks.sparse_lists`;
   * full layers run on the row layout in tiles of cfg.full_tile tokens (they have no blocks, so
@@ -122,8 +123,15 @@ def _chunk_size(chunk: int, B: int, H: int, Bs: int, T: int) -> int:
     return max(1, min(chunk, _MAX_SCORE_ELEMS // max(1, B * H * Bs * T * Bs)))
 
 
-def _wants_ckpt(use_checkpoint: bool, *xs: Tensor) -> bool:
-    return use_checkpoint and torch.is_grad_enabled() and any(t.requires_grad for t in xs)
+def _wants_ckpt(cfg: AttentionConfig, q_tiles: Tensor, T: int, Bs: int, *qkv: Tensor) -> bool:
+    """Checkpoint the chunks? Only in a forward that will be differentiated, and only when what
+    the tiles save -- gathered keys and values (T blocks of Bs rows of D) and the fused call's
+    (M, T * Bs) mask per tile, for q_tiles (..., tiles, M, D) -- exceeds gather_checkpoint_mib."""
+    if not (cfg.gather_checkpoint and torch.is_grad_enabled() and any(t.requires_grad for t in qkv)):
+        return False
+    M, D = q_tiles.shape[-2:]
+    tile_bytes = T * Bs * (2 * D * q_tiles.element_size() + M * 4)
+    return q_tiles.numel() // (M * D) * tile_bytes > cfg.gather_checkpoint_mib * 2**20
 
 
 def attend_gather_sparse(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
@@ -146,7 +154,7 @@ def attend_gather_sparse(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: A
         return idx_BGCT, tile_keep(meta, cfg, idx_BGCT, c0, picks_BGLk)
 
     C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
-    ckpt = _wants_ckpt(cfg.gather_checkpoint, q_BHSD, k_BKSD, v_BKSD)
+    ckpt = _wants_ckpt(cfg, q_BGAMD, T, Bs, q_BHSD, k_BKSD, v_BKSD)
     fused = cfg.gather_kernel == "sdpa"
     out_BGAMD = _run(q_BGAMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, C, ckpt, lists, fused)
     return from_aligned(_untile(out_BGAMD, H, Bs), meta).to(q_BHSD.dtype)
@@ -175,7 +183,7 @@ def attend_gather_full(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: Att
         return idx_BCT[:, None].expand(B, K, -1, T), None
 
     C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
-    ckpt = _wants_ckpt(cfg.gather_checkpoint, q_BHSD, k_BKSD, v_BKSD)
+    ckpt = _wants_ckpt(cfg, q_BKQMD, T, Bs, q_BHSD, k_BKSD, v_BKSD)
     fused = cfg.gather_kernel == "sdpa"
     out_BKQMD = _run(q_BKQMD, k_BKXbD, v_BKXbD, doc_BXb, skey_BXb, C, ckpt, lists, fused)
     return _untile(out_BKQMD, H, Bs)[:, :, :S].to(q_BHSD.dtype)

@@ -46,10 +46,36 @@ def test_gather_matches_dense(seed, sparse, select_per, H, K):
     gcfg = AttentionConfig(backend="gather", gather_chunk=random.randint(1, 6),
                            full_tile=random.choice([3, 8, 64]),
                            gather_kernel=random.choice(["sdpa", "eager"]),
-                           gather_checkpoint=random.random() < 0.5, **common)
+                           gather_checkpoint=random.random() < 0.5,
+                           gather_checkpoint_mib=random.choice([0.0, 1024.0]), **common)
     for name, a, b in zip(("out", "dq", "dk", "dv"), run(q, k, v, meta, gcfg, sparse, w), ref):
         assert rel_err(a, b) < 1e-4, f"seed={seed} {name} rel err {rel_err(a, b):.2e} cfg={gcfg}"
 
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_gather_checkpoint_threshold_trades_saved_bytes_not_results(seed, sparse):
+    """Above `gather_checkpoint_mib` a gather layer saves only its inputs (the chunks recompute);
+    below it the gathered tiles are kept. Same output and gradients either way."""
+    Bs, S = 8, random.randint(150, 300)
+    meta = build_meta(*random_batch(2, S, Bs), Bs)
+    q, k, v = random_qkv(2, 4, 2, S, 16)
+    w = torch.randn(2, 4, S, 16)
+    saved, results = {}, {}
+    for mib in (0.0, 1024.0):
+        cfg = AttentionConfig(backend="gather", block_size=Bs, window=16, top_k=2, gather_checkpoint_mib=mib)
+        nbytes = []
+
+        def pack(t, nbytes=nbytes):
+            nbytes.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = attend(q, k, v, meta, cfg, sparse)
+        saved[mib] = sum(nbytes)
+        results[mib] = (out, *torch.autograd.grad((out * w).sum(), (q, k, v)))
+    assert saved[0.0] < saved[1024.0], saved
+    for a, b in zip(results[0.0], results[1024.0]):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
 
 def test_full_layer_paths_match_dense(seed):
     Bs, S = 8, random.randint(40, 160)
