@@ -34,7 +34,7 @@ class AttentionConfig:
     gather_checkpoint: bool = True  # recompute each chunk in backward: O(S*D) saved, not O(S*k*B)
     # ... only when a layer's gathered tiles (keys, values, the fused call's mask) would hold more
     # than this many MiB: below it keeping them costs less than the recompute (0: always).
-    gather_checkpoint_mib: float = 1024.0
+    gather_checkpoint_mib: float = 256.0
     full_tile: int = 64  # query tokens per tile of a full layer's gather path (it has no blocks)
     sdpa_group: int = 256  # sdpa: documents up to this long are grouped into masked calls (sdpa.py)
     # gather's tile attention: "sdpa" = one fused SDPA call per chunk of tiles with the tile's rule
