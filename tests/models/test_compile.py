@@ -74,7 +74,7 @@ def test_build_meta_has_no_host_sync():
 def test_measuring_forwards_run_the_eager_layers_no_break_no_recompile(seed):
     """The trainer asks for attention counts on log steps and the diagnostics capture q/k: those
     forwards must not break a compiled layer's graph or add graphs (the break once left a graph
-    fragment that Inductor failed to compile, ending a `dist.compile` run at its 10th step)."""
+    fragment that Inductor failed to compile, ending a `dist.compile` tiny run on a log step)."""
     cfg = tiny()
     eager = MultimodalModel(cfg).train()
     compiled = compiled_copy(eager)

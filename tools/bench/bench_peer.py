@@ -122,6 +122,7 @@ def flops_per_token(model: MultimodalModel, batch: dict, seq: int) -> float:
 
 def run_seq(seq: int, args) -> list[dict]:
     """Interleaved steps of every side at one sequence length -> rows of the table."""
+    torch._dynamo.reset()  # compile afresh per length: a second length would make the graphs dynamic
     sides = {}
     for layout in args.layouts:
         for compiled in (False, True) if args.compile else (False,):
