@@ -5,6 +5,8 @@ A row is cut into segments along document runs (host-side plan, once per forward
   * a long document is one segment run with `is_causal=True` (the fused kernel skips the blocks
     above the diagonal); a document that is one visual span from start to end (a medium in the
     vision encoder) runs without causality and without a mask;
+  * consecutive documents that are each one visual span of the same length (media in the vision
+    tower) run as one batched call, without mask or causality;
   * consecutive short documents are grouped into one segment of at most `group` tokens with the
     token rule as an explicit mask (block-diagonal causal): fewer, larger calls;
   * the query rows of the visual spans of a causal segment (bidirectional inside, per the token
@@ -40,8 +42,10 @@ PATCH_GAP = 64  # spans closer than this are recomputed in one patch
 class Segment:
     start: int
     end: int
-    kind: str  # "causal", "full" (one span from start to end), "mask" (grouped documents)
+    kind: str  # "causal", "full" (one span from start to end), "mask" (grouped documents),
+    #            "batch" (consecutive one-span documents of `size` tokens each)
     patches: tuple[tuple[int, int, int], ...] = ()  # (query start, query end, key start)
+    size: int = 0
 
 
 def _runs(x_S: Tensor) -> list[int]:
@@ -61,14 +65,30 @@ def plan_row(doc_S: Tensor, skey_S: Tensor, span_last_S: Tensor, group: int) -> 
     vis_S = skey_S >= 0
     span_starts = (vis_S & F.pad(skey_S[1:] != skey_S[:-1], (1, 0), value=True)).nonzero().flatten()
     spans = list(zip(span_starts.tolist(), (span_last_S[span_starts] + 1).tolist()))
-    segs: list[Segment] = []
-    si = 0  # next span
-    g0 = None  # start of the open group of short documents
+    docs, si = [], 0  # (start, end, its spans)
     for s, e in bounds:
         doc_spans = []
         while si < len(spans) and spans[si][0] < e:
             doc_spans.append(spans[si])
             si += 1
+        docs.append((s, e, doc_spans))
+    segs: list[Segment] = []
+    g0 = None  # start of the open group of short documents
+    i = 0
+    while i < len(docs):
+        s, e, doc_spans = docs[i]
+        i += 1
+        j = i  # one-span documents of equal length (media in the vision tower): one batched call
+        while doc_spans == [(s, e)] and j < len(docs) and docs[j][2] == [docs[j][:2]] and \
+                docs[j][1] - docs[j][0] == e - s:
+            j += 1
+        if j > i:
+            if g0 is not None:
+                segs.append(Segment(g0, s, "mask"))
+                g0 = None
+            segs.append(Segment(s, docs[j - 1][1], "batch", size=e - s))
+            i = j
+            continue
         if e - s <= group:
             if g0 is not None and e - g0 > group:
                 segs.append(Segment(g0, s, "mask"))
@@ -105,15 +125,29 @@ def _mask(doc_S: Tensor, skey_S: Tensor, qs: int, qe: int, ks: int, ke: int) -> 
                       skey_S[None, ks:ke], pos_k[None])
 
 
+def _batch(x: Tensor, size: int) -> Tensor:
+    """(1, H, n * size, *) -> (n, H, size, *): consecutive documents as a batch."""
+    return x[0].unflatten(1, (-1, size)).transpose(0, 1)
+
+
+def _unbatch(x: Tensor) -> Tensor:
+    """(n, H, size, *) -> (1, H, n * size, *)."""
+    return x.transpose(0, 1).flatten(1, 2)[None]
+
+
 def _pieces(segs: list[Segment], call, doc_S: Tensor, skey_S: Tensor) -> list[tuple[Tensor, ...]]:
-    """One row's results in row order. `call(qs, qe, ks, ke, mask, causal)` runs one fused call
-    (queries [qs, qe) over keys [ks, ke)) and returns a tuple of (1, H, qe - qs, ...) tensors;
-    the causal calls' results are cut around the span patches, whose own calls fill the gaps."""
+    """One row's results in row order. `call(qs, qe, ks, ke, mask, causal, size=0)` runs one fused
+    call (queries [qs, qe) over keys [ks, ke); with `size`, that range as a batch of documents of
+    `size` tokens, no mask) and returns a tuple of (1, H, qe - qs, ...) tensors; the causal calls'
+    results are cut around the span patches, whose own calls fill the gaps."""
     pieces = []
     for seg in segs:
         s, e = seg.start, seg.end
         if seg.kind == "mask":
             pieces.append(call(s, e, s, e, _mask(doc_S, skey_S, s, e, s, e), False))
+            continue
+        if seg.kind == "batch":
+            pieces.append(call(s, e, s, e, None, False, seg.size))
             continue
         res = call(s, e, s, e, None, seg.kind == "causal")
         at = s
@@ -138,19 +172,26 @@ def attend_rows(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, doc_BS: Tensor, 
     for b, segs in enumerate(rows):
         q, k, v = q_BHSD[b:b + 1], k_BKSD[b:b + 1], v_BKSD[b:b + 1]
 
-        def call(qs, qe, ks, ke, mask, causal, q=q, k=k, v=v):
-            return (F.scaled_dot_product_attention(q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke],
-                                                   attn_mask=mask, is_causal=causal, enable_gqa=gqa),)
+        def call(qs, qe, ks, ke, mask, causal, size=0, q=q, k=k, v=v):
+            qi, ki, vi = q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke]
+            if size:
+                o = F.scaled_dot_product_attention(_batch(qi, size), _batch(ki, size), _batch(vi, size),
+                                                   enable_gqa=gqa)
+                return (_unbatch(o),)
+            return (F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal,
+                                                   enable_gqa=gqa),)
         outs.append(_join(_pieces(segs, call, doc_BS[b], skey_BS[b]))[0])
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _flash(q, k, v, b, qs, qe, ks, ke, mask, causal) -> tuple[Tensor, Tensor]:
+def _flash(q, k, v, b, qs, qe, ks, ke, mask, causal, size=0) -> tuple[Tensor, Tensor]:
     """One call of aten's CPU flash forward (GQA native) -> (out (1, H, L, D), lse (1, H, L) fp32)."""
-    qi, ki, vi = (t[b:b + 1, :, lo:hi].contiguous() for t, lo, hi in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qi, ki, vi, 0.0, causal,
-                                                                          attn_mask=_bias(mask, q))
-    return out, lse
+    qi, ki, vi = (t[b:b + 1, :, lo:hi] for t, lo, hi in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
+    if size:
+        qi, ki, vi = (_batch(t, size) for t in (qi, ki, vi))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qi.contiguous(), ki.contiguous(), vi.contiguous(), 0.0, causal, attn_mask=_bias(mask, q))
+    return (_unbatch(out), _unbatch(lse)) if size else (out, lse)
 
 
 def _bias(mask: Tensor | None, like: Tensor) -> Tensor | None:
@@ -164,8 +205,8 @@ def _forward_rows(q, k, v, doc_BS, skey_BS, rows) -> tuple[Tensor, Tensor]:
     """The custom op's CPU body: (out (B, H, S, D), lse (B, H, S)), the lse saved for backward."""
     outs = []
     for b, segs in enumerate(rows):
-        def call(qs, qe, ks, ke, mask, causal, b=b):
-            return _flash(q, k, v, b, qs, qe, ks, ke, mask, causal)
+        def call(qs, qe, ks, ke, mask, causal, size=0, b=b):
+            return _flash(q, k, v, b, qs, qe, ks, ke, mask, causal, size)
         outs.append(_join(_pieces(segs, call, doc_BS[b], skey_BS[b])))
     return tuple(torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*outs))
 
@@ -195,17 +236,21 @@ def _rows_or_masked(doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor, group
             for b in range(doc_BS.shape[0])]
 
 
-def _call_backward(grads, grad_1HSD, q, k, v, out, lse, b, qs, qe, ks, ke, mask, causal) -> None:
+def _call_backward(grads, grad_1HSD, q, k, v, out, lse, b, qs, qe, ks, ke, mask, causal, size=0) -> None:
     """One fused call's backward from the saved output and lse; accumulate its gradients.
 
     The rows of a causal call that a span patch replaced get a zero gradient here, and their saved
     out / lse are the patch's: with dO = 0 the kernel's row terms vanish whatever O and lse are
     (lse finite: the patch's is over a superset of the causal keys)."""
     dq, dk, dv = grads
-    qi, ki, vi = (t[b:b + 1, :, lo:hi].contiguous() for t, lo, hi in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
-    oi, li = out[b:b + 1, :, qs:qe].contiguous(), lse[b:b + 1, :, qs:qe].contiguous()
+    qi, ki, vi = (t[b:b + 1, :, lo:hi] for t, lo, hi in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
+    xs = (grad_1HSD, qi, ki, vi, out[b:b + 1, :, qs:qe], lse[b:b + 1, :, qs:qe])
+    if size:
+        xs = tuple(_batch(t, size) for t in xs)
     gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_1HSD.contiguous(), qi, ki, vi, oi, li, 0.0, causal, attn_mask=_bias(mask, q))
+        *(t.contiguous() for t in xs), 0.0, causal, attn_mask=_bias(mask, q))
+    if size:
+        gq, gk, gv = _unbatch(gq), _unbatch(gk), _unbatch(gv)
     dq[b:b + 1, :, qs:qe] += gq
     dk[b:b + 1, :, ks:ke] += gk
     dv[b:b + 1, :, ks:ke] += gv
@@ -221,6 +266,9 @@ def _backward_rows(grad, q, k, v, out, lse, doc_BS, skey_BS, rows) -> tuple[Tens
             if seg.kind == "mask":
                 mask = _mask(doc_S, skey_S, s, e, s, e)
                 _call_backward(grads, g, q, k, v, out, lse, b, s, e, s, e, mask, False)
+                continue
+            if seg.kind == "batch":
+                _call_backward(grads, g, q, k, v, out, lse, b, s, e, s, e, None, False, seg.size)
                 continue
             if seg.patches:  # the patched rows' output came from the patch calls
                 g = g.clone()

@@ -46,16 +46,18 @@ def test_sdpa_matches_dense(seed, H, K, group):
 
 
 def test_sdpa_every_segment_kind(seed):
-    """A long document with images and a video (span patches), one that is a single span (no mask,
-    no causality), and short documents grouped together, then padding."""
+    """A long document with images and a video (span patches), media of equal length (one batched
+    call), one that is a single span (no mask, no causality), and short documents grouped together,
+    then padding."""
     long_doc = random_doc_spans(random.randint(100, 200), 8)
+    media = [torch.zeros(random.randint(5, 15), dtype=torch.int32)] * random.randint(2, 4)  # equal spans
     one_span = torch.zeros(random.randint(20, 40), dtype=torch.int32)
     short = [random_doc_spans(random.randint(1, 12), 4) for _ in range(random.randint(2, 5))]
-    docs = [long_doc, one_span] + short
+    docs = [long_doc, *media, one_span] + short
     doc_S, span_S = pack_row(docs, sum(len(d) for d in docs) + random.randint(0, 7))
     meta = check(doc_S[None], span_S[None], 4, 2, 16, seed)
     segs = plan(meta.doc_BS, meta.skey_BS, meta.span_last_BS, 16)[0]
-    assert {s.kind for s in segs} == {"causal", "full", "mask"}, segs
+    assert {s.kind for s in segs} == {"causal", "batch", "full", "mask"}, segs
     if (long_doc >= 0).any():
         assert any(s.patches for s in segs if s.kind == "causal"), segs
 
@@ -71,7 +73,8 @@ def test_sdpa_documents_not_contiguous_fall_back(seed):
 @pytest.mark.parametrize("layout", ["random", "every kind"])
 def test_sdpa_custom_op_matches_dense(seed, layout):
     """The opaque op that torch.compile sees (its backward runs from the saved lse): any row layout,
-    and a row with every kind of segment (causal with span patches, one span, grouped, padding)."""
+    and a row with every kind of segment (causal with span patches, batched media, one span,
+    grouped, padding)."""
     if layout == "random":
         B, S = 2, random.randint(30, 200)
         doc_BS, span_BS = random_batch(B, S, 8)
@@ -80,7 +83,8 @@ def test_sdpa_custom_op_matches_dense(seed, layout):
             span_BS[0] = -1
     else:
         one_span = torch.zeros(random.randint(20, 40), dtype=torch.int32)
-        docs = [random_doc_spans(random.randint(100, 200), 8), one_span,
+        media = [torch.zeros(random.randint(5, 15), dtype=torch.int32)] * 3  # equal spans: one batch
+        docs = [random_doc_spans(random.randint(100, 200), 8), *media, one_span,
                 *[random_doc_spans(random.randint(1, 12), 4) for _ in range(3)]]
         doc_S, span_S = pack_row(docs, sum(len(d) for d in docs) + random.randint(0, 7))
         doc_BS, span_BS = doc_S[None], span_S[None]
@@ -91,7 +95,7 @@ def test_sdpa_custom_op_matches_dense(seed, layout):
     ref = run(q, k, v, meta, AttentionConfig(backend="dense", dense_impl="eager", block_size=8), w)
     if layout == "every kind":
         kinds = {s.kind for s in plan(meta.doc_BS, meta.skey_BS, meta.span_last_BS, 16)[0]}
-        assert kinds == {"causal", "full", "mask"}, kinds
+        assert kinds == {"causal", "batch", "full", "mask"}, kinds
     out, lse = sdpa_full_op(q, k, v, meta.doc_BS, meta.skey_BS, meta.span_last_BS, 16)
     assert lse.shape == (B, 4, S) and torch.isfinite(lse).all()
     got = (out, *torch.autograd.grad((out * w).sum(), (q, k, v)))
