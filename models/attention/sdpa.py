@@ -135,32 +135,51 @@ def _unbatch(x: Tensor) -> Tensor:
     return x.transpose(0, 1).flatten(1, 2)[None]
 
 
-def _pieces(segs: list[Segment], call, doc_S: Tensor, skey_S: Tensor) -> list[tuple[Tensor, ...]]:
-    """One row's results in row order. `call(qs, qe, ks, ke, mask, causal, size=0)` runs one fused
-    call (queries [qs, qe) over keys [ks, ke); with `size`, that range as a batch of documents of
-    `size` tokens, no mask) and returns a tuple of (1, H, qe - qs, ...) tensors; the causal calls'
-    results are cut around the span patches, whose own calls fill the gaps."""
-    pieces = []
+@dataclass(frozen=True)
+class Call:
+    """One fused call: queries [qs, qe) over keys [ks, ke), with the token rule as `mask` or
+    `causal`, or with `size` > 0 that range as a batch of documents of `size` tokens (no mask).
+    `keep`: its query rows [a, b) that are the layer's output (a causal call loses the rows of its
+    span patches, which their own calls recompute)."""
+
+    qs: int
+    qe: int
+    ks: int
+    ke: int
+    keep: tuple[tuple[int, int], ...]
+    mask: Tensor | None = None
+    causal: bool = False
+    size: int = 0
+
+
+def _calls(segs: list[Segment], doc_S: Tensor, skey_S: Tensor) -> list[Call]:
+    """A row's fused calls, from its plan (the forward and the backward walk the same list)."""
+    calls = []
     for seg in segs:
         s, e = seg.start, seg.end
         if seg.kind == "mask":
-            pieces.append(call(s, e, s, e, _mask(doc_S, skey_S, s, e, s, e), False))
-            continue
-        if seg.kind == "batch":
-            pieces.append(call(s, e, s, e, None, False, seg.size))
-            continue
-        res = call(s, e, s, e, None, seg.kind == "causal")
-        at = s
-        for a, b, ks in seg.patches:
-            pieces.append(tuple(t[:, :, at - s:a - s] for t in res))
-            pieces.append(call(a, b, ks, b, _mask(doc_S, skey_S, a, b, ks, b), False))
-            at = b
-        pieces.append(tuple(t[:, :, at - s:] for t in res))
-    return pieces
+            calls.append(Call(s, e, s, e, ((s, e),), mask=_mask(doc_S, skey_S, s, e, s, e)))
+        elif seg.kind == "batch":
+            calls.append(Call(s, e, s, e, ((s, e),), size=seg.size))
+        else:
+            cuts = [s, *(x for a, b, _ in seg.patches for x in (a, b)), e]
+            keep = tuple((a, b) for a, b in zip(cuts[::2], cuts[1::2]) if b > a)
+            calls.append(Call(s, e, s, e, keep, causal=seg.kind == "causal"))
+            calls += [Call(a, b, ks, b, ((a, b),), mask=_mask(doc_S, skey_S, a, b, ks, b))
+                      for a, b, ks in seg.patches]
+    return calls
 
 
-def _join(pieces: list[tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
-    return tuple(torch.cat(parts, 2) if len(parts) > 1 else parts[0] for parts in zip(*pieces))
+def _row(calls: list[Call], run) -> tuple[Tensor, ...]:
+    """One row's outputs: `run(call)` -> a tuple of (1, H, qe - qs, ...) tensors; each call's kept
+    rows, put in row order and joined."""
+    pieces = []
+    for c in calls:
+        res = run(c)
+        pieces += [(a, tuple(t[:, :, a - c.qs:z - c.qs] for t in res)) for a, z in c.keep]
+    pieces.sort(key=lambda p: p[0])
+    columns = zip(*(p for _, p in pieces))  # output, then lse (the op's forward)
+    return tuple(torch.cat(parts, 2) if len(parts) > 1 else parts[0] for parts in columns)
 
 
 def attend_rows(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, doc_BS: Tensor, skey_BS: Tensor,
@@ -172,26 +191,26 @@ def attend_rows(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, doc_BS: Tensor, 
     for b, segs in enumerate(rows):
         q, k, v = q_BHSD[b:b + 1], k_BKSD[b:b + 1], v_BKSD[b:b + 1]
 
-        def call(qs, qe, ks, ke, mask, causal, size=0, q=q, k=k, v=v):
-            qi, ki, vi = q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke]
-            if size:
-                o = F.scaled_dot_product_attention(_batch(qi, size), _batch(ki, size), _batch(vi, size),
+        def run(c: Call, q=q, k=k, v=v):
+            qi, ki, vi = q[:, :, c.qs:c.qe], k[:, :, c.ks:c.ke], v[:, :, c.ks:c.ke]
+            if c.size:
+                o = F.scaled_dot_product_attention(_batch(qi, c.size), _batch(ki, c.size), _batch(vi, c.size),
                                                    enable_gqa=gqa)
                 return (_unbatch(o),)
-            return (F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal,
+            return (F.scaled_dot_product_attention(qi, ki, vi, attn_mask=c.mask, is_causal=c.causal,
                                                    enable_gqa=gqa),)
-        outs.append(_join(_pieces(segs, call, doc_BS[b], skey_BS[b]))[0])
+        outs.append(_row(_calls(segs, doc_BS[b], skey_BS[b]), run)[0])
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _flash(q, k, v, b, qs, qe, ks, ke, mask, causal, size=0) -> tuple[Tensor, Tensor]:
-    """One call of aten's CPU flash forward (GQA native) -> (out (1, H, L, D), lse (1, H, L) fp32)."""
-    qi, ki, vi = (t[b:b + 1, :, lo:hi] for t, lo, hi in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
-    if size:
-        qi, ki, vi = (_batch(t, size) for t in (qi, ki, vi))
+def _flash(q, k, v, b: int, c: Call) -> tuple[Tensor, Tensor]:
+    """Call c on row b with aten's CPU flash forward (GQA native) -> (out (1, H, L, D), lse (1, H, L))."""
+    qi, ki, vi = q[b:b + 1, :, c.qs:c.qe], k[b:b + 1, :, c.ks:c.ke], v[b:b + 1, :, c.ks:c.ke]
+    if c.size:
+        qi, ki, vi = (_batch(t, c.size) for t in (qi, ki, vi))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qi.contiguous(), ki.contiguous(), vi.contiguous(), 0.0, causal, attn_mask=_bias(mask, q))
-    return (_unbatch(out), _unbatch(lse)) if size else (out, lse)
+        qi.contiguous(), ki.contiguous(), vi.contiguous(), 0.0, c.causal, attn_mask=_bias(c.mask, q))
+    return (_unbatch(out), _unbatch(lse)) if c.size else (out, lse)
 
 
 def _bias(mask: Tensor | None, like: Tensor) -> Tensor | None:
@@ -205,9 +224,7 @@ def _forward_rows(q, k, v, doc_BS, skey_BS, rows) -> tuple[Tensor, Tensor]:
     """The custom op's CPU body: (out (B, H, S, D), lse (B, H, S)), the lse saved for backward."""
     outs = []
     for b, segs in enumerate(rows):
-        def call(qs, qe, ks, ke, mask, causal, size=0, b=b):
-            return _flash(q, k, v, b, qs, qe, ks, ke, mask, causal, size)
-        outs.append(_join(_pieces(segs, call, doc_BS[b], skey_BS[b])))
+        outs.append(_row(_calls(segs, doc_BS[b], skey_BS[b]), lambda c, b=b: _flash(q, k, v, b, c)))
     return tuple(torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*outs))
 
 
@@ -236,48 +253,36 @@ def _rows_or_masked(doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor, group
             for b in range(doc_BS.shape[0])]
 
 
-def _call_backward(grads, grad_1HSD, q, k, v, out, lse, b, qs, qe, ks, ke, mask, causal, size=0) -> None:
-    """One fused call's backward from the saved output and lse; accumulate its gradients.
+def _call_backward(grads, grad_1HSD, q, k, v, out, lse, b: int, c: Call) -> None:
+    """Call c's backward on row b from the saved output and lse; accumulate its gradients.
 
     The rows of a causal call that a span patch replaced get a zero gradient here, and their saved
     out / lse are the patch's: with dO = 0 the kernel's row terms vanish whatever O and lse are
     (lse finite: the patch's is over a superset of the causal keys)."""
     dq, dk, dv = grads
-    qi, ki, vi = (t[b:b + 1, :, lo:hi] for t, lo, hi in ((q, qs, qe), (k, ks, ke), (v, ks, ke)))
-    xs = (grad_1HSD, qi, ki, vi, out[b:b + 1, :, qs:qe], lse[b:b + 1, :, qs:qe])
-    if size:
-        xs = tuple(_batch(t, size) for t in xs)
+    if c.keep != ((c.qs, c.qe),):  # rows the call does not keep: no gradient from it
+        kept = torch.zeros_like(grad_1HSD)
+        for a, z in c.keep:
+            kept[:, :, a - c.qs:z - c.qs] = grad_1HSD[:, :, a - c.qs:z - c.qs]
+        grad_1HSD = kept
+    xs = (grad_1HSD, q[b:b + 1, :, c.qs:c.qe], k[b:b + 1, :, c.ks:c.ke], v[b:b + 1, :, c.ks:c.ke],
+          out[b:b + 1, :, c.qs:c.qe], lse[b:b + 1, :, c.qs:c.qe])
+    if c.size:
+        xs = tuple(_batch(t, c.size) for t in xs)
     gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        *(t.contiguous() for t in xs), 0.0, causal, attn_mask=_bias(mask, q))
-    if size:
+        *(t.contiguous() for t in xs), 0.0, c.causal, attn_mask=_bias(c.mask, q))
+    if c.size:
         gq, gk, gv = _unbatch(gq), _unbatch(gk), _unbatch(gv)
-    dq[b:b + 1, :, qs:qe] += gq
-    dk[b:b + 1, :, ks:ke] += gk
-    dv[b:b + 1, :, ks:ke] += gv
+    dq[b:b + 1, :, c.qs:c.qe] += gq
+    dk[b:b + 1, :, c.ks:c.ke] += gk
+    dv[b:b + 1, :, c.ks:c.ke] += gv
 
 
 def _backward_rows(grad, q, k, v, out, lse, doc_BS, skey_BS, rows) -> tuple[Tensor, Tensor, Tensor]:
     grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
     for b, segs in enumerate(rows):
-        doc_S, skey_S = doc_BS[b], skey_BS[b]
-        for seg in segs:
-            s, e = seg.start, seg.end
-            g = grad[b:b + 1, :, s:e]
-            if seg.kind == "mask":
-                mask = _mask(doc_S, skey_S, s, e, s, e)
-                _call_backward(grads, g, q, k, v, out, lse, b, s, e, s, e, mask, False)
-                continue
-            if seg.kind == "batch":
-                _call_backward(grads, g, q, k, v, out, lse, b, s, e, s, e, None, False, seg.size)
-                continue
-            if seg.patches:  # the patched rows' output came from the patch calls
-                g = g.clone()
-                for a, z, _ in seg.patches:
-                    g[:, :, a - s:z - s] = 0
-            _call_backward(grads, g, q, k, v, out, lse, b, s, e, s, e, None, seg.kind == "causal")
-            for a, z, ks in seg.patches:
-                mask = _mask(doc_S, skey_S, a, z, ks, z)
-                _call_backward(grads, grad[b:b + 1, :, a:z], q, k, v, out, lse, b, a, z, ks, z, mask, False)
+        for c in _calls(segs, doc_BS[b], skey_BS[b]):
+            _call_backward(grads, grad[b:b + 1, :, c.qs:c.qe], q, k, v, out, lse, b, c)
     return grads
 
 
