@@ -19,6 +19,7 @@ from mmtrain.models import DecoderConfig, ModelConfig, MoEConfig, MultimodalMode
 from mmtrain.models.attention import AttentionConfig, build_meta
 from mmtrain.models.attention.testing import random_batch as random_ids
 from mmtrain.models.vision import VisionConfig
+from mmtrain.parallelize import block_lists
 from tools.bench.bench_model import random_batch
 
 
@@ -41,7 +42,7 @@ def loss_and_grads(model, batch):
 def compiled_copy(eager: MultimodalModel) -> MultimodalModel:
     """A copy with every block compiled as `dist.compile` does; Dynamo's caches and counters reset."""
     compiled = copy.deepcopy(eager)
-    for blocks in (compiled.vision.blocks, compiled.decoder.layers):
+    for blocks in block_lists(compiled):
         for i, block in enumerate(blocks):
             blocks[i] = torch.compile(block, backend="aot_eager")
     torch._dynamo.reset()

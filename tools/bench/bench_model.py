@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from mmtrain.config import load_config
 from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.models.testing import IMAGE, VIDEO, pack, random_doc
+from mmtrain.parallelize import block_lists
 from mmtrain.run_config import RunConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         import copy
 
         eager = copy.deepcopy(model)  # the FLOP count's forward (attention statistics) runs eagerly
-        for blocks in (model.vision.blocks, model.decoder.layers):
+        for blocks in block_lists(model):
             for i, block in enumerate(blocks):
                 blocks[i] = torch.compile(block)
     batches = [{k: v.to(device) for k, v in random_batch(cfg, args.batch, args.seq_len, args.visual_share,
