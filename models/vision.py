@@ -100,6 +100,23 @@ def patch_layout(grid_thw_M3: Tensor, n_patches: int, merge: int) -> tuple[Tenso
     return medium_N, pos_3N, src_N
 
 
+def size_order(grid_thw_M3: Tensor, n_patches: int) -> tuple[Tensor, Tensor] | None:
+    """-> (order_M, perm_N): media stably sorted by patch count and the patch permutation that
+    follows them; None when equal sizes already sit together (or the grid is bad: patch_layout
+    then says why). The blocks treat each medium alone, so the order is free, and the fused
+    attention runs one batched call per run of equal-size media (sdpa's "batch" kind): in input
+    order, a batch alternating images and clips would cost one call per medium."""
+    sizes = grid_thw_M3.long().prod(-1).tolist()
+    runs = 1 + sum(a != b for a, b in itertools.pairwise(sizes))
+    if runs <= len(set(sizes)) or sum(sizes) != n_patches:
+        return None
+    order = sorted(range(len(sizes)), key=sizes.__getitem__)
+    start = [0, *itertools.accumulate(sizes)]
+    perm_N = torch.cat([torch.arange(start[m], start[m + 1]) for m in order])
+    dev = grid_thw_M3.device
+    return torch.tensor(order, device=dev), perm_N.to(dev)
+
+
 def make_ssl_mask(grid_thw_M3: Tensor, mask_ratio: float, media_share: float,
                   generator: torch.Generator | None = None) -> Tensor:
     """-> mask_N (bool): round(media_share * M) random media (>= 1 when share > 0), and in each
@@ -139,6 +156,7 @@ class VisionEncoder(nn.Module):
         super().__init__()
         self.cfg, self.out_dim = cfg, out_dim
         self.attn_cfg = attn_cfg or AttentionConfig()
+        self.group_by_size = True  # run media grouped by size (size_order); False: input order, the reference
         self.patch_embed = nn.Linear(cfg.patch_dim, cfg.dim, bias=True)
         G = cfg.abs_pos_grid
         self.row_embed = nn.Parameter(torch.empty(G, cfg.dim)) if G else None
@@ -257,7 +275,21 @@ class VisionEncoder(nn.Module):
 
     def _features(self, patches_NP: Tensor, grid_thw_M3: Tensor,
                   mask_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """-> (N, D) final normed per-patch features (masked patches enter as the mask token), src_N."""
+        """-> (N, D) final normed per-patch features (masked patches enter as the mask token), src_N;
+        in input order, though the blocks run with media grouped by size (see size_order)."""
+        grouped = size_order(grid_thw_M3, patches_NP.shape[0]) if self.group_by_size else None
+        if grouped is None:
+            return self._features_in_order(patches_NP, grid_thw_M3, mask_N)
+        order_M, perm_N = grouped
+        x_ND, _ = self._features_in_order(patches_NP.index_select(0, perm_N), grid_thw_M3[order_M],
+                                          None if mask_N is None else mask_N[perm_N])
+        inv_N = torch.empty_like(perm_N)
+        inv_N[perm_N] = torch.arange(len(perm_N), device=perm_N.device)
+        _, _, src_N = patch_layout(grid_thw_M3, patches_NP.shape[0], self.cfg.merge)
+        return x_ND.index_select(0, inv_N), src_N
+
+    def _features_in_order(self, patches_NP: Tensor, grid_thw_M3: Tensor,
+                           mask_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
         cfg, N = self.cfg, patches_NP.shape[0]
         medium_N, pos_3N, src_N = patch_layout(grid_thw_M3, N, cfg.merge)
         head_dim = cfg.dim // cfg.n_heads

@@ -100,3 +100,55 @@ def test_abs_pos_embedding_is_resolution_free_and_packing_safe():
     out_plain, out_pos = no_pos(flat, grid), enc(flat, grid)
     torch.testing.assert_close(out_plain[0], out_plain[-1], rtol=1e-5, atol=1e-5)
     assert (out_pos[0] - out_pos[-1]).abs().max() > 1e-3
+
+
+def _alternating() -> tuple[torch.Tensor, torch.Tensor]:
+    """Images (1x4x4) and clips (2x4x4) in alternation: in input order no two equal sizes touch."""
+    grid_M3 = torch.tensor([[1, 4, 4], [2, 4, 4], [1, 4, 4], [2, 4, 4], [1, 4, 4]])
+    return torch.randn(int(grid_M3.prod(-1).sum()), P), grid_M3
+
+
+def test_media_grouped_by_size_match_dense_and_each_alone() -> None:
+    """The fused backend runs the media sorted by size; outputs and gradients stay in input order
+    and equal dense attention over the media in input order, and each medium encoded alone."""
+    patches_NP, grid_M3 = _alternating()
+    fast, ref = _encoder("sdpa"), _encoder("dense")
+    ref.load_state_dict(fast.state_dict())
+    ref.group_by_size = False  # the reference: dense attention, media in input order
+    x_fast = patches_NP.clone().requires_grad_()
+    x_ref = patches_NP.clone().requires_grad_()
+    out_fast, out_ref = fast(x_fast, grid_M3), ref(x_ref, grid_M3)
+    torch.testing.assert_close(out_fast, out_ref, atol=1e-5, rtol=1e-5)
+    g_QO = torch.randn_like(out_ref)
+    out_fast.backward(g_QO)
+    out_ref.backward(g_QO)
+    torch.testing.assert_close(x_fast.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+    for p_fast, p_ref in zip(fast.parameters(), ref.parameters()):
+        torch.testing.assert_close(p_fast.grad, p_ref.grad, atol=1e-5, rtol=1e-5)
+    start_Q = 0  # each medium's tokens equal its encoding alone
+    for t, h, w in grid_M3.tolist():
+        n = t * h * w
+        q = n // CFG.merge ** 2
+        n0 = start_Q * CFG.merge ** 2
+        alone_QO = fast(patches_NP[n0:n0 + n], torch.tensor([[t, h, w]]))
+        torch.testing.assert_close(out_fast[start_Q:start_Q + q], alone_QO, atol=1e-5, rtol=1e-5)
+        start_Q += q
+
+
+def test_equal_sizes_share_one_unmasked_fused_call(monkeypatch) -> None:
+    """Grouped by size, each block attends the 3 images in one batched call and the 2 clips in
+    another, without a mask (in input order the fused backend would mask a block diagonal)."""
+    import torch.nn.functional as F
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append((q.shape[0], attn_mask is None))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    patches_NP, grid_M3 = _alternating()
+    with torch.no_grad():
+        _encoder("sdpa")(patches_NP, grid_M3)
+    assert calls == [(3, True), (2, True)] * CFG.depth

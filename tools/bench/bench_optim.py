@@ -10,7 +10,6 @@ is the largest difference between the two copies after all steps (the kernels ro
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from mmtrain.config import load_config
 from mmtrain.models import MultimodalModel
 from mmtrain.run_config import RunConfig
+from tools.bench.table import print_ratio_table
 
 
 def copies(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -52,13 +52,9 @@ def main(argv: list[str] | None = None) -> None:
             if i >= 2:  # the first steps allocate the moments
                 times[kind].append(time.perf_counter() - t0)
     diff = max(float((a - b).detach().abs().max()) for a, b in zip(sides["foreach"], sides["fused"]))
-    base = statistics.median(times["foreach"])
     print(f"# {args.config}: {len(params)} tensors, {sum(p.numel() for p in params) / 1e6:.2f}M parameters, "
           f"{args.threads} threads, medians of {args.steps} steps")
-    print("| AdamW | ms / step | vs foreach |")
-    print("|---|---|---|")
-    for kind, ts in times.items():
-        print(f"| {kind} | {statistics.median(ts) * 1e3:.2f} | {base / statistics.median(ts):.2f}x |")
+    print_ratio_table("AdamW", "step", times, "foreach")
     print(f"# largest parameter difference after {args.steps + 2} steps: {diff:.2e}")
 
 
