@@ -100,21 +100,18 @@ def patch_layout(grid_thw_M3: Tensor, n_patches: int, merge: int) -> tuple[Tenso
     return medium_N, pos_3N, src_N
 
 
-def size_order(grid_thw_M3: Tensor, n_patches: int) -> tuple[Tensor, Tensor] | None:
-    """-> (order_M, perm_N): media stably sorted by patch count and the patch permutation that
-    follows them; None when equal sizes already sit together (or the grid is bad: patch_layout
-    then says why). The blocks treat each medium alone, so the order is free, and the fused
-    attention runs one batched call per run of equal-size media (sdpa's "batch" kind): in input
-    order, a batch alternating images and clips would cost one call per medium."""
+def size_order(grid_thw_M3: Tensor) -> Tensor | None:
+    """-> perm_N: the patch permutation that stably sorts the media by patch count; None when
+    equal sizes already sit together. The blocks treat each medium alone, so the order is free,
+    and the fused attention runs one batched call per run of equal-size media (sdpa's "batch"
+    kind): in input order, a batch alternating images and clips is cut into masked groups."""
     sizes = grid_thw_M3.long().prod(-1).tolist()
     runs = 1 + sum(a != b for a, b in itertools.pairwise(sizes))
-    if runs <= len(set(sizes)) or sum(sizes) != n_patches:
+    if runs <= len(set(sizes)):
         return None
-    order = sorted(range(len(sizes)), key=sizes.__getitem__)
     start = [0, *itertools.accumulate(sizes)]
-    perm_N = torch.cat([torch.arange(start[m], start[m + 1]) for m in order])
-    dev = grid_thw_M3.device
-    return torch.tensor(order, device=dev), perm_N.to(dev)
+    order = sorted(range(len(sizes)), key=sizes.__getitem__)
+    return torch.cat([torch.arange(start[m], start[m + 1]) for m in order]).to(grid_thw_M3.device)
 
 
 def make_ssl_mask(grid_thw_M3: Tensor, mask_ratio: float, media_share: float,
@@ -277,21 +274,20 @@ class VisionEncoder(nn.Module):
                   mask_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """-> (N, D) final normed per-patch features (masked patches enter as the mask token), src_N;
         in input order, though the blocks run with media grouped by size (see size_order)."""
-        grouped = size_order(grid_thw_M3, patches_NP.shape[0]) if self.group_by_size else None
-        if grouped is None:
-            return self._features_in_order(patches_NP, grid_thw_M3, mask_N)
-        order_M, perm_N = grouped
-        x_ND, _ = self._features_in_order(patches_NP.index_select(0, perm_N), grid_thw_M3[order_M],
-                                          None if mask_N is None else mask_N[perm_N])
+        medium_N, pos_3N, src_N = patch_layout(grid_thw_M3, patches_NP.shape[0], self.cfg.merge)
+        perm_N = size_order(grid_thw_M3) if self.group_by_size else None
+        if perm_N is None:
+            return self._blocks(patches_NP, grid_thw_M3, medium_N, pos_3N, mask_N), src_N
+        x_ND = self._blocks(patches_NP.index_select(0, perm_N), grid_thw_M3, medium_N[perm_N],
+                            pos_3N[:, perm_N], None if mask_N is None else mask_N[perm_N])
         inv_N = torch.empty_like(perm_N)
         inv_N[perm_N] = torch.arange(len(perm_N), device=perm_N.device)
-        _, _, src_N = patch_layout(grid_thw_M3, patches_NP.shape[0], self.cfg.merge)
         return x_ND.index_select(0, inv_N), src_N
 
-    def _features_in_order(self, patches_NP: Tensor, grid_thw_M3: Tensor,
-                           mask_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        cfg, N = self.cfg, patches_NP.shape[0]
-        medium_N, pos_3N, src_N = patch_layout(grid_thw_M3, N, cfg.merge)
+    def _blocks(self, patches_NP: Tensor, grid_thw_M3: Tensor, medium_N: Tensor, pos_3N: Tensor,
+                mask_N: Tensor | None) -> Tensor:
+        """Patches in any order of whole media (medium_N, pos_3N say whose and where) -> (N, D)."""
+        cfg = self.cfg
         head_dim = cfg.dim // cfg.n_heads
         angles_NF = axial_angles(pos_3N, vision_freqs(head_dim, cfg.rope_theta, patches_NP.device))
         cos_11NF, sin_11NF = angles_NF.cos()[None, None], angles_NF.sin()[None, None]
@@ -303,4 +299,4 @@ class VisionEncoder(nn.Module):
             x_1ND = x_1ND + self._abs_pos(grid_thw_M3, medium_N, pos_3N)[None]
         for blk in self.blocks:
             x_1ND = blk(x_1ND, cos_11NF, sin_11NF, meta, self.attn_cfg)
-        return self.norm(x_1ND[0]), src_N
+        return self.norm(x_1ND[0])

@@ -108,11 +108,13 @@ def _alternating() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(int(grid_M3.prod(-1).sum()), P), grid_M3
 
 
-def test_media_grouped_by_size_match_dense_and_each_alone() -> None:
-    """The fused backend runs the media sorted by size; outputs and gradients stay in input order
-    and equal dense attention over the media in input order, and each medium encoded alone."""
+@pytest.mark.parametrize("backend", ["sdpa", "gather", "dense"])
+def test_media_grouped_by_size_match_dense_and_each_alone(backend: str) -> None:
+    """Every backend runs the media sorted by size (their medium ids then out of order); outputs
+    and gradients stay in input order and equal dense attention over the media in input order,
+    and each medium encoded alone."""
     patches_NP, grid_M3 = _alternating()
-    fast, ref = _encoder("sdpa"), _encoder("dense")
+    fast, ref = _encoder(backend), _encoder("dense")
     ref.load_state_dict(fast.state_dict())
     ref.group_by_size = False  # the reference: dense attention, media in input order
     x_fast = patches_NP.clone().requires_grad_()
