@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         over = [f"run_dir={run_dir}", "train.eval_every=0", "train.ckpt_every=0"]
         cfg = load_config(RunConfig, args.config, over + args.overrides)
         trainer = Trainer(cfg, verbose=False, env=init_distributed(cfg.dist, cfg.train.device))
-        live = trainer._batches()
+        live = iter(trainer.train_loader)
         _timed(trainer, live, args.warmup)
         times: dict[str, list[float]] = {"live loader": [], "batches drawn beforehand": []}
         for _ in range(args.rounds):
