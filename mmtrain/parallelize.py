@@ -1,10 +1,19 @@
-"""Parallelism applied from outside the model files: activation checkpointing, torch.compile and
-FSDP2 (or DDP) over the per-block ModuleLists `model.vision.blocks` and `model.decoder.layers`.
+"""Parallelism applied from outside the model files: activation checkpointing, torch.compile,
+expert parallelism and FSDP2 / HSDP (or DDP) over the per-block ModuleLists `model.vision.blocks`
+and `model.decoder.layers`, on the mesh of mmtrain/parallel/dims.py.
 
-Order (as torchtitan): checkpoint each block, compile each block, then `fully_shard` each block
-and finally the root (which holds the embeddings, the vision patch embedding and projector,
-the final norm and the LM head). On CUDA with bf16, FSDP2 gathers weights in bf16 and reduces
+Order (as torchtitan): checkpoint each block, compile each block, shard the routed experts over
+`ep` (mmtrain/parallel/expert_parallel.py), `fully_shard` each MoE layer's experts on the expert
+mesh's (dp_replicate, efsdp) part, then each block and finally the root (embeddings, the vision
+patch embedding and projector, the final norm and the LM head) on the dense (dp_replicate, fsdp)
+mesh: HSDP when dp_replicate > 1. On CUDA with bf16, FSDP2 gathers weights in bf16 and reduces
 gradients in fp32 (MixedPrecisionPolicy); the optimizer keeps fp32 shards.
+
+Gradient scale: backward runs on each rank's loss share x world size and FSDP2 averages over its
+mesh, so dense gradients come out exact; an expert's gradient sums the ep ranks' rows (the
+all-to-all's backward) before FSDP averages over the world / ep ranks of its own mesh, so
+`scale_expert_grads` divides by ep (an explicit multiply rather than FSDP's divide factor, whose
+PREMUL_SUM gloo lacks). Clipping takes the norm per mesh and combines them (`clip_grad_norm`).
 
 A single process gets only checkpointing and compile: no wrapper, no collective.
 """
@@ -20,7 +29,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from mmtrain.distributed import DistEnv
+from mmtrain.errors import UserError
 from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.parallel.dims import ParallelDims
+from mmtrain.parallel.expert_parallel import Traffic, shard_experts
 from mmtrain.run_config import RunConfig
 
 
@@ -28,13 +40,15 @@ def block_lists(model: MultimodalModel) -> list[nn.ModuleList]:
     return [model.vision.blocks, model.decoder.layers]
 
 
-def build_model(cfg: RunConfig, env: DistEnv, device: torch.device) -> tuple[MultimodalModel, nn.Module]:
+def build_model(cfg: RunConfig, env: DistEnv, device: torch.device, dims: ParallelDims | None = None,
+                traffic: Traffic | None = None) -> tuple[MultimodalModel, nn.Module]:
     """-> (the MultimodalModel, the module to call forward on: itself, or its DDP wrapper).
 
     FSDP on CUDA builds on the meta device and initialises the shards (`dist.meta_init`), so no
     rank ever holds the full model; elsewhere every rank builds the full model from the same
     seed and FSDP keeps its shard (on CPU, DTensor random init would repeat one shard's values).
     """
+    dims = dims or ParallelDims.from_config(cfg.dist, env.world_size, env.rank)
     fsdp = env.distributed and cfg.dist.strategy == "fsdp"
     meta = fsdp and cfg.dist.meta_init and device.type == "cuda"
     with torch.device("meta") if meta else contextlib.nullcontext():
@@ -43,7 +57,7 @@ def build_model(cfg: RunConfig, env: DistEnv, device: torch.device) -> tuple[Mul
         model = model.to(device)
     _apply_checkpointing_and_compile(model, cfg, device)
     if fsdp:
-        _apply_fsdp(model, cfg, env, device)
+        _apply_fsdp(model, cfg, dims, device, traffic)
         if meta:
             model.to_empty(device=device)
             model.init_weights()
@@ -71,10 +85,10 @@ def _apply_checkpointing_and_compile(model: MultimodalModel, cfg: RunConfig, dev
 
 
 def prime_probes(device: torch.device) -> None:
-    """models/moe_dispatch probes `torch._grouped_mm` (forward + backward, cached) on first use.
+    """models/moe/grouped_mm probes `torch._grouped_mm` (forward + backward, cached) on first use.
     Inside a checkpointed block that first use saves tensors its recomputation does not, and
     torch.utils.checkpoint rejects the step; so run the probe up front (RNG left untouched)."""
-    from mmtrain.models.moe_dispatch import grouped_mm_supported
+    from mmtrain.models.moe.grouped_mm import grouped_mm_supported
 
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
         for dtype in (torch.float32, torch.bfloat16):
@@ -92,18 +106,47 @@ def checkpoint_forward(block: nn.Module) -> None:
     block.forward = forward
 
 
-def _apply_fsdp(model: MultimodalModel, cfg: RunConfig, env: DistEnv, device: torch.device) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
+def _apply_fsdp(model: MultimodalModel, cfg: RunConfig, dims: ParallelDims, device: torch.device,
+                traffic: Traffic | None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (env.world_size,))
-    kwargs: dict = {"mesh": mesh, "reshard_after_forward": cfg.dist.reshard_after_forward}
+    kwargs: dict = {"reshard_after_forward": cfg.dist.reshard_after_forward}
     if device.type == "cuda" and cfg.train.dtype == "bfloat16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if dims.ep > 1:
+        moes = list(model.moe_layers().values())
+        if not moes:
+            raise UserError("dist.ep: > 1 needs MoE layers (model.decoder.moe)")
+        experts = dims.expert_mesh(device.type)
+        try:
+            shard_experts(moes, experts["ep"], traffic)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        fsdp_mesh = _fsdp_part(experts, "efsdp")
+        for moe in moes:
+            fully_shard(moe.experts, mesh=fsdp_mesh, **kwargs)
+    dense = _fsdp_part(dims.dense_mesh(device.type), "fsdp")
     for blocks in block_lists(model):
         for block in blocks:
-            fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+            fully_shard(block, mesh=dense, **kwargs)
+    fully_shard(model, mesh=dense, **kwargs)
+
+
+def _fsdp_part(mesh, shard_dim: str):
+    """FSDP2's mesh: (dp_replicate, shard_dim) for HSDP, else the shard dim alone (plain FSDP)."""
+    return mesh["dp_replicate", shard_dim] if mesh["dp_replicate"].size() > 1 else mesh[shard_dim]
+
+
+@torch.no_grad()
+def scale_expert_grads(model: MultimodalModel, dims: ParallelDims) -> None:
+    """Divide the routed experts' gradients by ep (see the module docstring); after the last
+    micro-batch's backward, before clipping."""
+    if dims.ep == 1:
+        return
+    for moe in model.moe_layers().values():
+        for p in moe.experts.parameters():
+            if p.grad is not None:
+                p.grad.mul_(1.0 / dims.ep)
 
 
 def grad_sync(model: nn.Module, env: DistEnv, last: bool):
@@ -122,13 +165,24 @@ def grad_sync(model: nn.Module, env: DistEnv, last: bool):
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Global gradient norm (over all shards on all ranks), clipped to `max_norm` (0: no clip)."""
+    """Global gradient norm (over all shards on all ranks), clipped to `max_norm` (0: no clip).
+
+    Gradients on different meshes (dense FSDP and the experts') cannot meet in one DTensor op:
+    the norm is taken per mesh and the squares summed."""
     clip = max_norm or float("inf")
     params = [p for p in model.parameters() if p.grad is not None]
     if not any(isinstance(p.grad, DTensor) for p in params):
         return float(torch.nn.utils.clip_grad_norm_(params, clip))
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-    if isinstance(total, DTensor):  # partial norms on each rank -> the global norm everywhere
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, clip, total)
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [_full(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)) for group in groups.values()]
+    total = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, clip, total)
     return float(total)
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """Partial norms on each rank -> the global norm everywhere."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -56,7 +56,9 @@ from mmtrain.models.attention.counts import ATTN_COUNTS
 from mmtrain.models.vision import make_ssl_mask
 from mmtrain.objectives import head_grads, task_losses, weighted_total, z_loss
 from mmtrain.optim import build_optimizer, build_scheduler
-from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync
+from mmtrain.parallel.dims import ParallelDims
+from mmtrain.parallel.expert_parallel import Traffic
+from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync, scale_expert_grads
 from mmtrain.perf import Throughput, peak_tflops
 from mmtrain.run_config import RunConfig
 from mmtrain.run_dir import RESOLVED_CONFIG, prepare_run_dir
@@ -88,14 +90,16 @@ class Trainer:
         self.config_text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
         if self.env.is_main:
             (self.run_dir / RESOLVED_CONFIG).write_text(self.config_text, encoding="utf-8")
+        self.dims = ParallelDims.from_config(cfg.dist, self.env.world_size, self.env.rank)  # the mesh
+        self.traffic = Traffic()  # bytes the expert-parallel all-to-alls move (a callback)
         train_state.seed_everything(cfg.train.seed)  # the same initial weights on every rank
-        self.raw_model, self.model = build_model(cfg, self.env, self.device)
+        self.raw_model, self.model = build_model(cfg, self.env, self.device, self.dims, self.traffic)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.balancer = build_balancer(cfg.loss.balancer, {t: getattr(cfg.loss, t) for t in TASK_NAMES})
         self.state = TrainState()
         self.use_train_data(stage_data(cfg.data, cfg.train.stages, 0))
-        self.val_loader = build_loader(cfg.data, self.tokenizer, "val", self.env.rank, self.env.world_size)
+        self.val_loader = build_loader(cfg.data, self.tokenizer, "val", self.dims.dp_rank, self.dims.dp_size)
         self.checkpointer = Checkpointer(self.run_dir, cfg.train.keep_last, self.env)
         self.callbacks = Callbacks([*self.builtin_callbacks(), *callbacks, *self.fault_callbacks()])
         self._mix = self.callbacks.get(MixController)
@@ -122,6 +126,8 @@ class Trainer:
         """What the config asks for besides the loop (fault injection comes last, see fault_callbacks)."""
         cfg = self.cfg
         out: list[Callback] = [Throughput(peak_tflops(self.device, cfg.train.peak_tflops))]
+        if self.dims.ep > 1:
+            out.append(self.traffic)
         if cfg.train.stages:
             out.append(Curriculum(cfg.data, cfg.train.stages, self.use_train_data))
         if cfg.diagnostics.every:
@@ -148,7 +154,7 @@ class Trainer:
 
     def use_train_data(self, data: DataConfig) -> None:
         """(Re)build the train loader on `data` (at the start and at curriculum stage boundaries)."""
-        self.train_loader = build_loader(data, self.tokenizer, "train", self.env.rank, self.env.world_size)
+        self.train_loader = build_loader(data, self.tokenizer, "train", self.dims.dp_rank, self.dims.dp_size)
         self._train_iter = None  # the loop starts a new iterator
 
     def set_train_weights(self, weights: dict[str, float]) -> bool:
@@ -223,7 +229,7 @@ class Trainer:
     def _announce(self) -> None:
         log = self.log
         if self.env.distributed:
-            log.info(f"rank {self.env.rank}/{self.env.world_size} on {self.device}, "
+            log.info(f"rank {self.env.rank}/{self.env.world_size} on {self.device}, {self.dims.describe()}, "
                      f"{self.cfg.dist.strategy}, {self.raw_model.num_params()}")
         if self.resumed_from is not None:
             log.info(f"resumed from {self.resumed_from} at step {self.step}")
@@ -263,6 +269,7 @@ class Trainer:
             acc["loss"] += float(loss.detach()) / accum
         if self._attn_acc is not None:
             self._finish_attn_stats()
+        scale_expert_grads(self.raw_model, self.dims)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         acc["nonfinite"] = float(not (math.isfinite(acc["loss"]) and math.isfinite(grad_norm)))
         limit = self.cfg.train.time_limit_min

@@ -39,7 +39,7 @@ def _inactive_routed(decoder: nn.Module) -> int:
     n = 0
     for moe in decoder.moe_layers().values():
         assert isinstance(moe, MoE)
-        per_expert = (moe.w_in_EDF2.numel() + moe.w_out_EFD.numel()) // moe.cfg.n_routed
+        per_expert = (moe.experts.w_in_EDF2.numel() + moe.experts.w_out_EFD.numel()) // moe.cfg.n_routed
         n += per_expert * (moe.cfg.n_routed - moe.cfg.top_k)
     return n
 

@@ -125,12 +125,14 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
     trainer = Trainer(cfg, verbose=False, env=env)
     it = iter(build_loader(cfg.data, trainer.tokenizer, "train"))
     accum = cfg.train.grad_accum
-    mine = [split_rows(next(it), env.rank, env.world_size) for _ in range(steps * accum)]
+    dims = trainer.dims  # the rows of this rank's data-parallel slot
+    mine = [split_rows(next(it), dims.dp_rank, dims.dp_size) for _ in range(steps * accum)]
     stats = [trainer.train_step(iter(mine[i * accum:(i + 1) * accum])) for i in range(steps)]
     if env.is_main:
         Path(out).write_text(json.dumps({"loss": [s.loss for s in stats],
                                          "grad_norm": [s.grad_norm for s in stats],
-                                         "tokens": [s.tokens for s in stats]}))
+                                         "tokens": [s.tokens for s in stats],
+                                         "traffic": trainer.traffic.sent}))  # all steps (no fit)
     if env.distributed:
         shutdown()
         exit_now(0)
@@ -155,6 +157,45 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(make_raw, tmp_path
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=0)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4, abs=0)
     assert one["loss"][-1] < one["loss"][1]  # (step 1 lacks a task: totals differ in kind)
+
+
+MESHES = {  # 4 ranks: same world, other meshes
+    "fsdp4": ["dist.strategy=fsdp"],
+    "hsdp2x2": ["dist.strategy=fsdp", "dist.dp_replicate=2"],
+    "fsdp4-ep2": ["dist.strategy=fsdp", "dist.ep=2"],
+    "ep4": ["dist.strategy=fsdp", "dist.ep=4"],
+    "hsdp2x2-ep2-ac": ["dist.strategy=fsdp", "dist.dp_replicate=2", "dist.ep=2",
+                       "dist.activation_checkpointing=true", "train.grad_accum=2"],
+    "ddp4": ["dist.strategy=ddp"],
+}
+
+
+@pytest.fixture(scope="module")
+def one_process_four_rows(raw_for, tmp_path_factory):
+    """One process on the rows that 4 ranks split between them (6 steps)."""
+    out = tmp_path_factory.mktemp("mesh")
+    results = {}
+    for accum in (1, 2):
+        overrides = ["data.batch_size=4", f"train.grad_accum={accum}"]
+        config = write_config(raw_for, out / f"run{accum}", overrides)
+        launch([str(HERE), "parity", str(config), str(out / f"one{accum}.json"), "6"])
+        results[accum] = json.loads((out / f"one{accum}.json").read_text())
+    return results
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_four_ranks_at_any_mesh_match_one_process(raw_for, one_process_four_rows, tmp_path, mesh):
+    """FSDP, HSDP, FSDP + EP, EP over all ranks, DDP: same rows, same losses and grad norms."""
+    overrides = ["data.batch_size=4", *MESHES[mesh]]
+    config = write_config(raw_for, tmp_path / "run", overrides)
+    launch([str(HERE), "parity", str(config), str(tmp_path / "four.json"), "6"], nproc=4)
+    four = json.loads((tmp_path / "four.json").read_text())
+    one = one_process_four_rows[2 if "train.grad_accum=2" in overrides else 1]
+    assert four["tokens"] == one["tokens"]
+    assert four["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=0)
+    assert four["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5, abs=0)
+    if "ep" in mesh:  # rows did travel, and were counted
+        assert four["traffic"]["ep_all_to_all"] > 0
 
 
 def test_two_ranks_run_diagnostics_reliance_guard_and_visual_ssl(make_raw, tmp_path):
@@ -268,4 +309,4 @@ def test_saved_in_one_process_loads_at_two_ranks(make_raw, tmp_path):
 
 if __name__ == "__main__":
     if sys.argv[1] == "parity":
-        parity_worker(sys.argv[2], sys.argv[3])
+        parity_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))

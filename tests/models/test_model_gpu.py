@@ -7,7 +7,6 @@ Legend: B rows, S tokens, D dim.
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +14,8 @@ import torch
 from mmtrain.models.attention import AttentionConfig
 from mmtrain.models.decoder import DecoderConfig
 from mmtrain.models.moe import MoE, MoEConfig
-from mmtrain.models.moe_dispatch import grouped_mm_supported, resolve_dispatch
+from mmtrain.models.moe.experts import resolve_path
+from mmtrain.models.moe.grouped_mm import grouped_mm_supported
 from mmtrain.models.multimodal import ModelConfig, MultimodalModel
 from mmtrain.models.testing import IMAGE, VIDEO, pack, random_doc
 from mmtrain.models.vision import VisionConfig
@@ -29,7 +29,7 @@ def test_grouped_mm_is_used_on_hopper() -> None:
     assert grouped_mm_supported("cuda", torch.bfloat16)
     x = torch.zeros(1, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert resolve_dispatch("auto", x) == "grouped_mm"
+        assert resolve_path("auto", x).name == "grouped_mm"
 
 
 @pytest.mark.parametrize("path", ["grouped_mm", "batched"])
@@ -39,7 +39,7 @@ def test_dispatch_matches_loop_under_bf16_autocast(path: str) -> None:
     cfg = MoEConfig(n_routed=32, top_k=4, n_shared=1, expert_dim=128, dispatch=path)
     fast = MoE(256, cfg).cuda()
     ref = copy.deepcopy(fast)
-    ref.cfg = replace(cfg, dispatch="loop")
+    ref.experts.path = "loop"
     x_BSD = torch.randn(2, 512, 256, device="cuda")
     g_BSD = torch.randn(2, 512, 256, device="cuda")
     grads = []

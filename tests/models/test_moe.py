@@ -1,4 +1,5 @@
-"""MoE: fast dispatch paths vs the per-expert loop, scoring, bias balancing, modality groups.
+"""MoE: every expert path (the registry) vs the no-sorting reference, scoring, bias balancing,
+modality groups.
 
 Legend: B rows, S tokens, D dim, T tokens, E experts, K top_k.
 """
@@ -6,37 +7,45 @@ Legend: B rows, S tokens, D dim, T tokens, E experts, K top_k.
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 
 import pytest
 import torch
 
 from mmtrain.models.moe import MoE, MoEConfig, seq_balance_loss
-from mmtrain.models.moe_dispatch import _grouped_mm_probe, grouped_mm_supported
+from mmtrain.models.moe.experts import EXPERT_PATHS, experts_reference
+from mmtrain.models.moe.grouped_mm import _grouped_mm_probe, grouped_mm_supported
 
-FAST_PATHS = ["batched"] + (["grouped_mm"] if grouped_mm_supported("cpu", torch.float32) else [])
-
-
-def _pair(cfg: MoEConfig, path: str, dim: int = 32) -> tuple[MoE, MoE]:
-    fast = MoE(dim, replace(cfg, dispatch=path))
-    ref = copy.deepcopy(fast)
-    ref.cfg = replace(cfg, dispatch="loop")
-    return fast, ref
+# every registered path that runs here (the registry is the parametrisation)
+PATHS = [name for name, p in EXPERT_PATHS.items() if p.supported("cpu", torch.float32)]
 
 
-@pytest.mark.parametrize("path", FAST_PATHS)
+def reference(moe: MoE, x_BSD: torch.Tensor, mod_BS: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The layer's function without a dispatcher or a sorted row: the router's choice, then one
+    expert at a time on the tokens that chose it, plus the shared expert."""
+    B, S, D = x_BSD.shape
+    x_TD, mod_T = x_BSD.reshape(B * S, D), mod_BS.reshape(-1)
+    group_T = (mod_T != 0).long() if moe.cfg.modality_groups else torch.zeros_like(mod_T)
+    r = moe.router(x_TD, group_T)
+    y_TD = experts_reference(x_TD, r.idx_TK, r.w_TK, moe.experts.w_in_EDF2, moe.experts.w_out_EFD)
+    y_TD = y_TD + (moe.shared(x_TD) if moe.shared is not None else 0)
+    real_T = torch.ones_like(mod_T, dtype=torch.bool)
+    return y_TD.view(B, S, D), moe.router.aux(r, group_T, mod_T, real_T, B, S)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("score", ["sigmoid", "softmax"])
 @pytest.mark.parametrize("groups", [False, True])
-def test_dispatch_matches_loop_forward_and_backward(path: str, score: str, groups: bool) -> None:
+def test_dispatch_matches_reference_forward_and_backward(path: str, score: str, groups: bool) -> None:
     cfg = MoEConfig(n_routed=8, top_k=2, n_shared=1, expert_dim=24, score=score, modality_groups=groups,
-                    n_text_experts=4 if groups else 0, n_visual_experts=4 if groups else 0)
-    fast, ref = _pair(cfg, path)
-    torch.nn.init.normal_(fast.expert_bias_E, std=0.1)  # selection-only bias must not matter either
-    ref.expert_bias_E.copy_(fast.expert_bias_E)
+                    n_text_experts=4 if groups else 0, n_visual_experts=4 if groups else 0, dispatch=path)
+    fast = MoE(32, cfg)
+    ref = copy.deepcopy(fast)
+    torch.nn.init.normal_(fast.router.expert_bias_E, std=0.1)  # selection-only bias must not matter either
+    ref.router.expert_bias_E.copy_(fast.router.expert_bias_E)
     x_BSD = torch.randn(2, 24, 32)
     mod_BS = torch.randint(0, 3, (2, 24))
     xs = [x_BSD.clone().requires_grad_(True) for _ in range(2)]
-    (y_f, aux_f), (y_r, aux_r) = fast(xs[0], mod_BS), ref(xs[1], mod_BS)
+    (y_f, aux_f), (y_r, aux_r) = fast(xs[0], mod_BS), reference(ref, xs[1], mod_BS)
     torch.testing.assert_close(y_f, y_r, atol=1e-5, rtol=1e-5)
     assert torch.equal(aux_f["load_3E"], aux_r["load_3E"])
     g_BSD = torch.randn_like(y_f)
@@ -49,10 +58,23 @@ def test_dispatch_matches_loop_forward_and_backward(path: str, score: str, group
 
 
 def test_dispatch_handles_empty_experts_and_one_token() -> None:
-    for path in FAST_PATHS:
-        fast, ref = _pair(MoEConfig(n_routed=16, top_k=1, n_shared=0, expert_dim=8), path, dim=16)
+    for path in PATHS:
+        moe = MoE(16, MoEConfig(n_routed=16, top_k=1, n_shared=0, expert_dim=8, dispatch=path))
         x_BSD = torch.randn(1, 1, 16)  # 15 of 16 experts get nothing
-        torch.testing.assert_close(fast(x_BSD)[0], ref(x_BSD)[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(moe(x_BSD)[0], reference(moe, x_BSD, torch.zeros(1, 1).long())[0],
+                                   atol=1e-6, rtol=1e-6)
+
+
+def test_legacy_state_dict_names_load() -> None:
+    """A state dict of the single-module layout (bias and expert weights on the layer) loads."""
+    moe = MoE(16, MoEConfig(n_routed=4, top_k=2, n_shared=1, expert_dim=8))
+    torch.nn.init.normal_(moe.router.expert_bias_E)
+    old = {k.replace("router.expert_bias_E", "expert_bias_E").replace("experts.", ""): v.clone()
+           for k, v in moe.state_dict().items()}
+    fresh = MoE(16, MoEConfig(n_routed=4, top_k=2, n_shared=1, expert_dim=8))
+    fresh.load_state_dict(old)
+    for k, v in moe.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
 
 
 def test_grouped_mm_probe_is_cached_and_boolean() -> None:
@@ -68,7 +90,7 @@ def test_combine_weights(score: str) -> None:
     from mmtrain.models.moe import route
 
     logits_TE = torch.randn(10, 6)
-    idx_TK, w_TK, p_TE = route(logits_TE, moe.expert_bias_E, None, moe.cfg)
+    idx_TK, w_TK, p_TE = route(logits_TE, moe.router.expert_bias_E, None, moe.cfg)
     torch.testing.assert_close(p_TE.sum(-1), torch.ones(10))
     if score == "sigmoid":  # normalised over the chosen k
         torch.testing.assert_close(w_TK.sum(-1), torch.ones(10))
@@ -142,7 +164,7 @@ def test_config_errors_name_the_field(kwargs: dict, field: str) -> None:
         MoEConfig(n_routed=8, **kwargs)
 
 
-@pytest.mark.parametrize("path", FAST_PATHS + ["loop"])
+@pytest.mark.parametrize("path", PATHS)
 def test_padding_is_not_routed_counted_or_in_the_losses(path: str) -> None:
     """A batch with padding routes exactly the real tokens: load, balance, z-loss and entropy are
     those of the real tokens alone, whatever the padding holds; padding gets the shared expert only."""

@@ -115,7 +115,7 @@ def test_moe_bias_update_uses_the_reduced_load() -> None:
     model.update_moe_bias(reduce_fn=fake_all_reduce)
     assert moe.load_E.sum() == 0
     rate = moe.cfg.bias_update_rate
-    torch.testing.assert_close(moe.expert_bias_E, torch.tensor([-rate, rate, rate, rate]))
+    torch.testing.assert_close(moe.router.expert_bias_E, torch.tensor([-rate, rate, rate, rate]))
     model.eval()
     with torch.no_grad():
         model(**_batch())

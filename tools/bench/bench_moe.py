@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 
 import torch
 
 from mmtrain.models.moe import MoE, MoEConfig
-from mmtrain.models.moe_dispatch import grouped_mm_supported
+from mmtrain.models.moe.grouped_mm import grouped_mm_supported
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         loop_ms = time_step(moe, x_BSD, args.iters)
         row = f"{n_exp:>8} {loop_ms:>9.1f} "
         for path in paths:
-            moe.cfg = replace(cfg, dispatch=path)
+            moe.experts.path = path
             ms = time_step(moe, x_BSD, args.iters)
             row += f"{ms:>14.1f} {loop_ms / ms:>6.2f}x "
         print(row, flush=True)

@@ -1,0 +1,131 @@
+"""Expert parallelism: each rank of an `ep` group holds E / ep routed experts of every MoE layer,
+and the rows routed to an expert travel to its rank and back by uneven all-to-all.
+
+`shard_experts` turns each layer's expert weights into Shard(0) DTensors on the `ep` mesh (so DCP
+saves and reshards them like any other DTensor) and installs `AllToAllDispatcher` as the layer's
+dispatcher: the model file keeps its seam (models/moe/dispatch.py) and knows nothing of ranks.
+
+One dispatch, per MoE layer (and per token chunk), on every rank of the group, in the same order:
+    1. sort this rank's T*K rows by global expert (padding rows, the virtual expert, are dropped:
+       never sent);
+    2. all-to-all the (ep, E_loc) row counts, then the rows themselves (uneven splits; a rank may
+       send or receive none);
+    3. regroup the received rows from (source rank, local expert) to (local expert, source rank)
+       order and run the local experts;
+    4. undo 3 and 2 (the reverse all-to-all), weight and sum each token's K rows where it lives.
+Autograd runs the same all-to-alls backwards, so activation checkpointing replays them in order.
+
+Legend: T tokens, K top_k, R = T*K rows, n rows of real experts, E experts, L = E / ep local
+experts, P ep ranks, D model dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mmtrain.callbacks import Callback
+from mmtrain.models.moe import MoE
+from mmtrain.models.moe.dispatch import combine, sort_by_expert
+
+Tensor = torch.Tensor
+
+
+class Traffic(Callback):
+    """Bytes this rank sent to other ranks by collective kind (forward, recompute and backward),
+    per optimizer step: `last` holds the finished step's, TensorBoard gets `comm/<kind>_MiB`."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.sent[kind] = self.sent.get(kind, 0) + nbytes
+
+    def on_step_end(self, trainer, stats) -> None:
+        self.last, self.sent = self.sent, {}
+
+    def on_log(self, trainer, stats, scalars: dict) -> None:
+        scalars.update({f"comm/{kind}_MiB": n / 2**20 for kind, n in self.last.items()})
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven all_to_all_single whose backward is the reverse exchange; both count their bytes."""
+
+    @staticmethod
+    def forward(ctx, x_ND, out_P, in_P, group, count):
+        ctx.splits, ctx.group, ctx.count = (out_P, in_P), group, count
+        return _all_to_all(x_ND, out_P, in_P, group, count)
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        out_P, in_P = ctx.splits
+        return _all_to_all(dy_ND, in_P, out_P, ctx.group, ctx.count), None, None, None, None
+
+
+def _all_to_all(x_ND: Tensor, out_P: list[int], in_P: list[int], group, count) -> Tensor:
+    """in_P[p] rows to rank p, out_P[p] rows from it."""
+    count(x_ND, in_P)
+    out_ND = x_ND.new_empty(sum(out_P), *x_ND.shape[1:])
+    dist.all_to_all_single(out_ND, x_ND.contiguous(), out_P, in_P, group=group)
+    return out_ND
+
+
+class AllToAllDispatcher:
+    def __init__(self, group: dist.ProcessGroup, n_experts: int, traffic: Traffic | None = None) -> None:
+        self.group, self.P = group, dist.get_world_size(group)
+        self.me, self.E = dist.get_rank(group), n_experts
+        self.L = n_experts // self.P
+        self.traffic = traffic
+
+    def __call__(self, experts: nn.Module, x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor) -> Tensor:
+        rows = sort_by_expert(idx_TK, self.E)
+        send_PL = rows.counts_E.view(self.P, self.L)
+        recv_PL = torch.empty_like(send_PL)
+        dist.all_to_all_single(recv_PL, send_PL.contiguous(), group=self.group)  # rows to expect
+        send_P, recv_P = send_PL.sum(1).tolist(), recv_PL.sum(1).tolist()  # host sync: the splits
+        n = sum(send_P)
+        x_nD = x_TD.index_select(0, rows.token_R[:n])  # real experts' rows only: padding stays home
+        x_recv = self._exchange(x_nD, recv_P, send_P)
+        order, counts_L = _by_local_expert(recv_PL)
+        y_grouped = experts(x_recv.index_select(0, order), counts_L)
+        y_recv = torch.empty_like(y_grouped).index_copy(0, order, y_grouped)  # back to arrival order
+        y_nD = self._exchange(y_recv, send_P, recv_P)
+        y_RD = torch.cat([y_nD, y_nD.new_zeros(rows.token_R.shape[0] - n, y_nD.shape[1])])
+        return combine(y_RD, rows, w_TK, x_TD)
+
+    def _exchange(self, x_ND: Tensor, out_P: list[int], in_P: list[int]) -> Tensor:
+        """Uneven all-to-all with autograd: in_P[p] rows to rank p, out_P[p] rows from it."""
+        return _AllToAll.apply(x_ND, out_P, in_P, self.group, self._count)
+
+    def _count(self, x_ND: Tensor, in_P: list[int]) -> None:
+        if self.traffic is not None:  # rows to the other ranks (our own never leave)
+            others = sum(in_P) - in_P[self.me]
+            self.traffic.add("ep_all_to_all", others * x_ND[:1].numel() * x_ND.element_size())
+
+
+def _by_local_expert(recv_PL: Tensor) -> tuple[Tensor, Tensor]:
+    """The arrival order is (source rank, local expert); -> the permutation to (local expert,
+    source rank) order and the rows per local expert."""
+    P, L = recv_PL.shape
+    expert_n = torch.arange(L, device=recv_PL.device).repeat(P).repeat_interleave(recv_PL.reshape(-1))
+    return torch.argsort(expert_n, stable=True), recv_PL.sum(0)
+
+
+def shard_experts(moes: list[MoE], ep_mesh, traffic: Traffic | None = None) -> None:
+    """Shard(0) the routed experts of each layer over `ep_mesh` and route their rows there.
+
+    Every rank built the whole model from the same seed (or on the meta device): each keeps its
+    own slice, with no communication."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    P, me = ep_mesh.size(), ep_mesh.get_local_rank()
+    for moe in moes:
+        if moe.cfg.n_routed % P:
+            raise ValueError(f"dist.ep: {P} must divide model.decoder.moe.n_routed {moe.cfg.n_routed}")
+        for name, param in list(moe.experts.named_parameters(recurse=False)):
+            mine = param.data.chunk(P)[me].clone()
+            sharded = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)
+            moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), moe.cfg.n_routed, traffic)
