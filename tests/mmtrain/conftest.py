@@ -1,7 +1,9 @@
-"""A small built-in corpus and a scaled-down tiny config, shared by the trainer tests."""
+"""A small built-in corpus and a scaled-down tiny config, shared by the trainer tests; dist_runs.py
+(launching runs) importable by them."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ from mmtrain.data_pipelines.synth.writer import write_corpus
 from mmtrain.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO / "tests" / "mmtrain") not in sys.path:  # dist_runs.py, under --import-mode=importlib
+    sys.path.insert(0, str(REPO / "tests" / "mmtrain"))
 KINDS = ("image", "video", "interleaved", "text")
 
 

@@ -2,142 +2,34 @@
 between world sizes, non-finite steps agreed by all ranks, export of sharded checkpoints.
 
 Every run is a subprocess (`python` or `torchrun --standalone`) with one thread per process, so
-one-process and two-process results compare bit for bit where they should. This file is also
-the parity worker: `python tests/mmtrain/test_distributed.py parity CONFIG OUT`.
+one-process and two-process results compare bit for bit where they should. The runs go through
+dist_runs.py, which is also the parity worker.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from dist_runs import HERE as WORKER
+from dist_runs import (
+    RUN_OVERRIDES,
+    checkpoint_names,
+    launch,
+    losses,
+    step_records,
+    train,
+    write_config,
+)
 
 pytestmark = pytest.mark.distributed
 
-HERE = Path(__file__).resolve()
-REPO = HERE.parents[2]
-STEPS = 8
-# small but complete: both task kinds with media, MoE, sparse layers; one val batch per rank
-RUN_OVERRIDES = ["dist.timeout_s=60", "train.threads=1", "train.eval_batches=1", "train.log_every=1",
-                 f"train.steps={STEPS}", "train.ckpt_every=2", "train.keep_last=4"]
-
-
-# ----- helpers ---------------------------------------------------------------------------------
-def write_config(make_raw, run_dir: Path, overrides=()) -> Path:
-    from mmtrain.config import apply_override
-
-    raw = make_raw(run_dir)
-    for item in [*RUN_OVERRIDES, *overrides]:
-        apply_override(raw, item)
-    path = run_dir.parent / f"{run_dir.name}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-def launch(args: list[str], nproc: int = 1, max_restarts: int = 0, timeout: float = 240,
-           check: bool = True) -> subprocess.CompletedProcess:
-    """`python ARGS` or `torchrun --standalone --nproc-per-node N ARGS`, one thread per process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("TORCHELASTIC_RESTART_COUNT", None)
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                f"--max-restarts={max_restarts}", "--monitor-interval=0.2"]
-    # its own session: on a timeout the whole tree goes (torchrun alone would orphan its workers)
-    with subprocess.Popen(cmd + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True) as p:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, err = p.communicate()
-            raise AssertionError(f"{' '.join(cmd + args)} timed out:\n{err[-4000:]}") from None
-    proc = subprocess.CompletedProcess(p.args, p.returncode, out, err)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd + args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def train(config: Path, nproc: int = 1, *overrides: str, **kw) -> subprocess.CompletedProcess:
-    sets = [a for o in overrides for a in ("--set", o)]
-    return launch(["-m", "mmtrain.train", str(config), "--quiet", *sets], nproc, **kw)
-
-
-def step_records(run_dir: Path) -> dict[int, dict]:
-    """metrics.jsonl by step; a step replayed after a resume: the later line wins. (Eval lines,
-    e.g. the captioning eval's, are left out.)"""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "eval" not in rec:
-            out[rec["step"]] = rec
-    return out
-
-
-def losses(run_dir: Path) -> list[float]:
-    recs = step_records(run_dir)
-    assert sorted(recs) == list(range(1, STEPS + 1)), sorted(recs)
-    return [recs[s]["loss"] for s in range(1, STEPS + 1)]
-
-
-def checkpoint_names(run_dir: Path) -> list[str]:
-    return sorted(p.name for p in run_dir.iterdir() if p.name.startswith((".step_", "step_")))
 
 
 # ----- parity ------------------------------------------------------------------------------------
-def split_rows(batch, rank: int, world: int):
-    """Rank `rank`'s rows of a batch, with its media, patches and renumbered media ids."""
-    from dataclasses import replace
-
-    B = batch.tokens_BS.shape[0]
-    lo, hi = rank * B // world, (rank + 1) * B // world
-    before = batch.media_ids_BS[:lo]
-    m0 = int(before.max()) + 1 if (before >= 0).any() else 0
-    mine = batch.media_ids_BS[lo:hi]
-    m1 = int(mine.max()) + 1 if (mine >= 0).any() else m0
-    sizes = batch.grid_thw_M3.prod(-1).tolist()
-    p0, p1 = sum(sizes[:m0]), sum(sizes[:m1])
-    rows = {f: getattr(batch, f)[lo:hi] for f in ("tokens_BS", "labels_BS", "doc_ids_BS", "span_ids_BS",
-                                                  "modality_BS", "task_BS")}
-    return replace(batch, **rows, pos_ids_3BS=batch.pos_ids_3BS[:, lo:hi],
-                   media_ids_BS=torch.where(mine >= 0, mine - m0, mine), patches_NP=batch.patches_NP[p0:p1],
-                   grid_thw_M3=batch.grid_thw_M3[m0:m1], media_kind_M=batch.media_kind_M[m0:m1])
-
-
-def parity_worker(config: str, out: str, steps: int = 10) -> None:
-    """Train `steps` steps on the same global batches (read in one process, split by rows)."""
-    from mmtrain.config import load_config
-    from mmtrain.data_pipelines.loader import build_loader
-    from mmtrain.distributed import exit_now, init_distributed, shutdown
-    from mmtrain.run_config import RunConfig
-    from mmtrain.trainer import Trainer
-
-    cfg = load_config(RunConfig, config)
-    env = init_distributed(cfg.dist, "cpu")
-    trainer = Trainer(cfg, verbose=False, env=env)
-    it = iter(build_loader(cfg.data, trainer.tokenizer, "train"))
-    accum = cfg.train.grad_accum
-    dims = trainer.dims  # the rows of this rank's data-parallel slot
-    mine = [split_rows(next(it), dims.dp_rank, dims.dp_size) for _ in range(steps * accum)]
-    stats = [trainer.train_step(iter(mine[i * accum:(i + 1) * accum])) for i in range(steps)]
-    if env.is_main:
-        Path(out).write_text(json.dumps({"loss": [s.loss for s in stats],
-                                         "grad_norm": [s.grad_norm for s in stats],
-                                         "tokens": [s.tokens for s in stats],
-                                         "traffic": trainer.traffic.sent}))  # all steps (no fit)
-    if env.distributed:
-        shutdown()
-        exit_now(0)
-
-
 @pytest.mark.parametrize("variant", [
     ["dist.strategy=fsdp"],
     ["dist.strategy=ddp", "train.grad_accum=2"],  # no_sync on the first micro-batch
@@ -149,8 +41,8 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
 def test_two_ranks_match_one_process_on_the_same_global_batch(make_raw, tmp_path, variant):
     """FSDP2 (or DDP) over 2 ranks holding half the rows each = one process holding all of them."""
     config = write_config(make_raw, tmp_path / "run", ["data.batch_size=4", *variant])
-    launch([str(HERE), "parity", str(config), str(tmp_path / "one.json")])
-    launch([str(HERE), "parity", str(config), str(tmp_path / "two.json")], nproc=2)
+    launch([str(WORKER), "parity", str(config), str(tmp_path / "one.json")])
+    launch([str(WORKER), "parity", str(config), str(tmp_path / "two.json")], nproc=2)
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert one["tokens"] == two["tokens"]
     assert one["loss"][0] == pytest.approx(two["loss"][0], rel=1e-6, abs=0)  # same weights, same data
@@ -178,7 +70,7 @@ def one_process_four_rows(raw_for, tmp_path_factory):
     for accum in (1, 2):
         overrides = ["data.batch_size=4", f"train.grad_accum={accum}"]
         config = write_config(raw_for, out / f"run{accum}", overrides)
-        launch([str(HERE), "parity", str(config), str(out / f"one{accum}.json"), "6"])
+        launch([str(WORKER), "parity", str(config), str(out / f"one{accum}.json"), "6"])
         results[accum] = json.loads((out / f"one{accum}.json").read_text())
     return results
 
@@ -188,7 +80,7 @@ def test_four_ranks_at_any_mesh_match_one_process(raw_for, one_process_four_rows
     """FSDP, HSDP, FSDP + EP, EP over all ranks, DDP: same rows, same losses and grad norms."""
     overrides = ["data.batch_size=4", *MESHES[mesh]]
     config = write_config(raw_for, tmp_path / "run", overrides)
-    launch([str(HERE), "parity", str(config), str(tmp_path / "four.json"), "6"], nproc=4)
+    launch([str(WORKER), "parity", str(config), str(tmp_path / "four.json"), "6"], nproc=4)
     four = json.loads((tmp_path / "four.json").read_text())
     one = one_process_four_rows[2 if "train.grad_accum=2" in overrides else 1]
     assert four["tokens"] == one["tokens"]
@@ -307,6 +199,3 @@ def test_saved_in_one_process_loads_at_two_ranks(make_raw, tmp_path):
     assert sorted(step_records(run)) == [1, 2, 3, 4]
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "parity":
-        parity_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))

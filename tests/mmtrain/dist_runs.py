@@ -1,0 +1,135 @@
+"""Launching training runs for the distributed tests (`python` or `torchrun --standalone`, one thread
+per process) and reading back what they logged. Also the parity worker:
+`python tests/mmtrain/dist_runs.py parity CONFIG OUT [STEPS]` trains STEPS steps on the same global
+batches (read in one process, split by data-parallel rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[2]
+STEPS = 8
+# small but complete: both task kinds with media, MoE, sparse layers; one val batch per rank
+RUN_OVERRIDES = ["dist.timeout_s=60", "train.threads=1", "train.eval_batches=1", "train.log_every=1",
+                 f"train.steps={STEPS}", "train.ckpt_every=2", "train.keep_last=4"]
+
+
+def write_config(make_raw, run_dir: Path, overrides=()) -> Path:
+    from mmtrain.config import apply_override
+
+    raw = make_raw(run_dir)
+    for item in [*RUN_OVERRIDES, *overrides]:
+        apply_override(raw, item)
+    path = run_dir.parent / f"{run_dir.name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def launch(args: list[str], nproc: int = 1, max_restarts: int = 0, timeout: float = 240,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """`python ARGS` or `torchrun --standalone --nproc-per-node N ARGS`, one thread per process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                f"--max-restarts={max_restarts}", "--monitor-interval=0.2"]
+    # its own session: on a timeout the whole tree goes (torchrun alone would orphan its workers)
+    with subprocess.Popen(cmd + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            raise AssertionError(f"{' '.join(cmd + args)} timed out:\n{err[-4000:]}") from None
+    proc = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd + args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def train(config: Path, nproc: int = 1, *overrides: str, **kw) -> subprocess.CompletedProcess:
+    sets = [a for o in overrides for a in ("--set", o)]
+    return launch(["-m", "mmtrain.train", str(config), "--quiet", *sets], nproc, **kw)
+
+
+def step_records(run_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl by step; a step replayed after a resume: the later line wins. (Eval lines,
+    e.g. the captioning eval's, are left out.)"""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "eval" not in rec:
+            out[rec["step"]] = rec
+    return out
+
+
+def losses(run_dir: Path) -> list[float]:
+    recs = step_records(run_dir)
+    assert sorted(recs) == list(range(1, STEPS + 1)), sorted(recs)
+    return [recs[s]["loss"] for s in range(1, STEPS + 1)]
+
+
+def checkpoint_names(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in run_dir.iterdir() if p.name.startswith((".step_", "step_")))
+
+
+def split_rows(batch, rank: int, world: int):
+    """Rank `rank`'s rows of a batch, with its media, patches and renumbered media ids."""
+    from dataclasses import replace
+
+    B = batch.tokens_BS.shape[0]
+    lo, hi = rank * B // world, (rank + 1) * B // world
+    before = batch.media_ids_BS[:lo]
+    m0 = int(before.max()) + 1 if (before >= 0).any() else 0
+    mine = batch.media_ids_BS[lo:hi]
+    m1 = int(mine.max()) + 1 if (mine >= 0).any() else m0
+    sizes = batch.grid_thw_M3.prod(-1).tolist()
+    p0, p1 = sum(sizes[:m0]), sum(sizes[:m1])
+    rows = {f: getattr(batch, f)[lo:hi] for f in ("tokens_BS", "labels_BS", "doc_ids_BS", "span_ids_BS",
+                                                  "modality_BS", "task_BS")}
+    return replace(batch, **rows, pos_ids_3BS=batch.pos_ids_3BS[:, lo:hi],
+                   media_ids_BS=torch.where(mine >= 0, mine - m0, mine), patches_NP=batch.patches_NP[p0:p1],
+                   grid_thw_M3=batch.grid_thw_M3[m0:m1], media_kind_M=batch.media_kind_M[m0:m1])
+
+
+def parity_worker(config: str, out: str, steps: int = 10) -> None:
+    """Train `steps` steps on the same global batches (read in one process, split by rows)."""
+    from mmtrain.config import load_config
+    from mmtrain.data_pipelines.loader import build_loader
+    from mmtrain.distributed import exit_now, init_distributed, shutdown
+    from mmtrain.run_config import RunConfig
+    from mmtrain.trainer import Trainer
+
+    cfg = load_config(RunConfig, config)
+    env = init_distributed(cfg.dist, "cpu")
+    trainer = Trainer(cfg, verbose=False, env=env)
+    it = iter(build_loader(cfg.data, trainer.tokenizer, "train"))
+    accum = cfg.train.grad_accum
+    dims = trainer.dims  # the rows of this rank's data-parallel slot
+    mine = [split_rows(next(it), dims.dp_rank, dims.dp_size) for _ in range(steps * accum)]
+    stats = [trainer.train_step(iter(mine[i * accum:(i + 1) * accum])) for i in range(steps)]
+    if env.is_main:
+        Path(out).write_text(json.dumps({"loss": [s.loss for s in stats],
+                                         "grad_norm": [s.grad_norm for s in stats],
+                                         "tokens": [s.tokens for s in stats],
+                                         "traffic": trainer.traffic.sent}))  # all steps (no fit)
+    if env.distributed:
+        shutdown()
+        exit_now(0)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "parity":
+        parity_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
