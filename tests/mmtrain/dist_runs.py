@@ -1,7 +1,8 @@
 """Launching training runs for the distributed tests (`python` or `torchrun --standalone`, one thread
 per process) and reading back what they logged. Also the parity worker:
 `python tests/mmtrain/dist_runs.py parity CONFIG OUT [STEPS]` trains STEPS steps on the same global
-batches (read in one process, split by data-parallel rank).
+batches (read in one process, split by data-parallel rank); `... state CONFIG OUT` resumes and
+writes the full model and optimizer state.
 """
 
 from __future__ import annotations
@@ -130,6 +131,35 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
         exit_now(0)
 
 
+def state_worker(config: str, out: str) -> None:
+    """Resume from the run directory's checkpoint at this mesh and write the full (unsharded)
+    model and optimizer state, keyed by parameter name, from rank 0."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from mmtrain.config import load_config
+    from mmtrain.distributed import exit_now, init_distributed, shutdown
+    from mmtrain.run_config import RunConfig
+    from mmtrain.trainer import Trainer
+
+    cfg = load_config(RunConfig, config)
+    env = init_distributed(cfg.dist, "cpu")
+    trainer = Trainer(cfg, verbose=False, env=env)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = get_model_state_dict(trainer.model, options=opts)
+    optim = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=opts)
+    if env.is_main:
+        torch.save({"step": trainer.step, "model": model, "optim": optim["state"]}, out)
+    if env.distributed:
+        shutdown()
+        exit_now(0)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "parity":
         parity_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
+    elif sys.argv[1] == "state":
+        state_worker(sys.argv[2], sys.argv[3])
