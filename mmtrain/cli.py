@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_arguments(p_train)
     p_train.set_defaults(func=train.run)
     p_export = sub.add_parser("export", help="consolidated weights (safetensors + config + tokenizer) "
-                                             "of a checkpoint")
+                                             "of a checkpoint; --hf: a Hugging Face transformers folder")
     export.add_arguments(p_export)
     p_export.set_defaults(func=export.run)
     p_gen = sub.add_parser("generate", help="captions and continuations from a checkpoint (KV cache)")

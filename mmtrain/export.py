@@ -1,4 +1,5 @@
-"""`mmtrain export CKPT --out DIR`: consolidated weights for consumers outside training.
+"""`mmtrain export CKPT --out DIR`: consolidated weights for consumers outside training
+(`--hf`: a Hugging Face transformers folder instead, mmtrain/export_hf.py; docs/EXPORT.md).
 
 DIR gets `model.safetensors` (the full, unsharded model state dict), `config.yaml` (the resolved
 run config) and `tokenizer.json` (the checkpoint's copy, else the one `data.tokenizer` names, a
@@ -79,9 +80,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="RUN/step_<N>, or a run directory (its newest checkpoint)")
     parser.add_argument("--out", required=True, help="directory for model.safetensors, config.yaml, "
                                                      "tokenizer.json")
+    parser.add_argument("--hf", action="store_true",
+                        help="a Hugging Face transformers folder (remote code, processor; docs/EXPORT.md)")
+    parser.add_argument("--max-shard-mib", type=float, default=4096, help="--hf: safetensors shard size")
+    parser.add_argument("--no-parity", action="store_true",
+                        help="--hf: skip the parity check against mmtrain (it needs transformers)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.hf:
+        from mmtrain.export_hf import export_hf
+
+        if args.max_shard_mib <= 0:
+            raise UserError(f"--max-shard-mib: must be > 0 (got {args.max_shard_mib})")
+        out = export_hf(args.checkpoint, args.out, args.max_shard_mib, parity=not args.no_parity)
+        print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out} (Hugging Face transformers)")
+        return 0
     out = export(args.checkpoint, args.out)
     print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out}")
     return 0

@@ -1,0 +1,153 @@
+"""mmtrain state dict <-> the HF classes' names and layouts (not copied into exports; torch only).
+
+Every tensor is a slice, transpose or copy of one mmtrain tensor, so the round trip is exact:
+  decoder.layers.N.attn.wqkv (rows q | k | v)    -> model.language_model.layers.N.self_attn.{q,k,v}_proj
+  decoder.layers.N.ffn.w_in (rows gate | up)     -> mlp.{gate,up}_proj (dense layers and shared experts)
+  ffn experts w_in_EDF2 (E, D, 2F: gate | up)     -> mlp.experts.E.{gate,up}_proj.weight (F, D): transposed
+  ffn experts w_out_EFD (E, F, D)                 -> mlp.experts.E.down_proj.weight (D, F): transposed
+  ffn router weight / expert bias (fp32)          -> mlp.gate.weight / mlp.gate.e_score_correction_bias
+  vision.blocks.N.attn.wqkv                       -> model.visual.blocks.N.attn.qkv (fused, as Qwen2-VL's)
+The MoE's names changed when it was split into router / experts modules (`ffn.expert_bias_E` ->
+`ffn.router.expert_bias_E`, `ffn.w_in_EDF2` -> `ffn.experts.w_in_EDF2`): the patterns below read
+both spellings, and `from_hf` writes the one its target state dict uses.
+Training-only tensors (the masked-patch head and mask token) are not exported.
+
+Legend: E experts, D model dim, F expert hidden dim, H heads, K kv heads, Eh head dim.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+Tensor = torch.Tensor
+TRAINING_ONLY = ("vision.mask_token", "vision.ssl_head.weight", "vision.ssl_head.bias")
+_SIMPLE = [  # (mmtrain pattern, HF pattern): renamed, same tensor
+    (r"decoder\.embed\.weight", "model.language_model.embed_tokens.weight"),
+    (r"decoder\.norm\.weight", "model.language_model.norm.weight"),
+    (r"decoder\.lm_head\.weight", "lm_head.weight"),
+    (r"decoder\.layers\.(\d+)\.attn_norm\.weight", r"model.language_model.layers.\1.input_layernorm.weight"),
+    (
+        r"decoder\.layers\.(\d+)\.ffn_norm\.weight",
+        r"model.language_model.layers.\1.post_attention_layernorm.weight",
+    ),
+    (r"decoder\.layers\.(\d+)\.attn\.wo\.weight", r"model.language_model.layers.\1.self_attn.o_proj.weight"),
+    (
+        r"decoder\.layers\.(\d+)\.attn\.(q|k)_norm\.weight",
+        r"model.language_model.layers.\1.self_attn.\2_norm.weight",
+    ),
+    (r"decoder\.layers\.(\d+)\.ffn\.w_out\.weight", r"model.language_model.layers.\1.mlp.down_proj.weight"),
+    (r"decoder\.layers\.(\d+)\.ffn\.router\.weight", r"model.language_model.layers.\1.mlp.gate.weight"),
+    (
+        r"decoder\.layers\.(\d+)\.ffn\.(?:router\.)?expert_bias_E",
+        r"model.language_model.layers.\1.mlp.gate.e_score_correction_bias",
+    ),
+    (
+        r"decoder\.layers\.(\d+)\.ffn\.shared\.w_out\.weight",
+        r"model.language_model.layers.\1.mlp.shared_experts.down_proj.weight",
+    ),
+    (r"vision\.patch_embed\.(weight|bias)", r"model.visual.patch_embed.proj.\1"),
+    (r"vision\.(row|col)_embed", r"model.visual.\1_embed"),
+    (r"vision\.norm\.weight", "model.visual.norm.weight"),
+    (r"vision\.projector\.w_in\.weight", "model.visual.merger.mlp.fc1.weight"),
+    (r"vision\.projector\.w_out\.weight", "model.visual.merger.mlp.fc2.weight"),
+    (r"vision\.blocks\.(\d+)\.attn_norm\.weight", r"model.visual.blocks.\1.norm1.weight"),
+    (r"vision\.blocks\.(\d+)\.mlp_norm\.weight", r"model.visual.blocks.\1.norm2.weight"),
+    (r"vision\.blocks\.(\d+)\.attn\.wqkv\.weight", r"model.visual.blocks.\1.attn.qkv.weight"),
+    (r"vision\.blocks\.(\d+)\.attn\.wo\.weight", r"model.visual.blocks.\1.attn.proj.weight"),
+    (r"vision\.blocks\.(\d+)\.attn\.(q|k)_norm\.weight", r"model.visual.blocks.\1.attn.\2_norm.weight"),
+    (r"vision\.blocks\.(\d+)\.mlp\.w_in\.weight", r"model.visual.blocks.\1.mlp.fc1.weight"),
+    (r"vision\.blocks\.(\d+)\.mlp\.w_out\.weight", r"model.visual.blocks.\1.mlp.fc2.weight"),
+]
+_SPLIT = [  # (mmtrain pattern, HF prefix, part names): row blocks of one tensor
+    (r"decoder\.layers\.(\d+)\.attn\.wqkv\.weight", r"model.language_model.layers.\1.self_attn.", "qkv"),
+    (r"decoder\.layers\.(\d+)\.ffn\.w_in\.weight", r"model.language_model.layers.\1.mlp.", "gu"),
+    (
+        r"decoder\.layers\.(\d+)\.ffn\.shared\.w_in\.weight",
+        r"model.language_model.layers.\1.mlp.shared_experts.",
+        "gu",
+    ),
+]
+_EXPERTS = r"decoder\.layers\.(\d+)\.ffn\.(?:experts\.)?(w_in_EDF2|w_out_EFD)"
+_PART = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "g": "gate_proj", "u": "up_proj"}
+
+
+def _rows(hfc: dict, parts: str) -> list[int]:
+    E = hfc["hidden_size"] // hfc["num_attention_heads"]
+    if parts == "qkv":
+        return [
+            hfc["num_attention_heads"] * E,
+            hfc["num_key_value_heads"] * E,
+            hfc["num_key_value_heads"] * E,
+        ]
+    return []  # gate | up: two equal halves
+
+
+def to_hf(state: dict[str, Tensor], hfc: dict) -> dict[str, Tensor]:
+    """mmtrain names -> HF names (`hfc`: the HF config dict). ValueError names a tensor it cannot place."""
+    out: dict[str, Tensor] = {}
+    for name, t in state.items():
+        if name in TRAINING_ONLY or (name == "decoder.lm_head.weight" and hfc.get("tie_word_embeddings")):
+            continue
+        kind, targets = _targets(name, hfc)
+        if kind == "same":
+            out[targets[0]] = t
+        elif kind == "rows":
+            sizes = _rows(hfc, len(targets), t.shape[0])
+            out.update(zip(targets, t.split(sizes)))
+        elif name.endswith("w_out_EFD"):
+            out.update(zip(targets, (w.t() for w in t)))
+        else:  # w_in_EDF2: the gate half then the up half of every expert, transposed
+            gate_EFD, up_EFD = (h.transpose(1, 2) for h in t.chunk(2, dim=-1))
+            out.update(zip(targets, [*gate_EFD, *up_EFD]))
+    return out
+
+
+def from_hf(hf: dict[str, Tensor], hfc: dict, names: Iterable[str]) -> dict[str, Tensor]:
+    """HF names -> the mmtrain state dict whose keys are `names` (either MoE spelling)."""
+    out: dict[str, Tensor] = {}
+    for name in names:
+        if name in TRAINING_ONLY:
+            continue
+        if name == "decoder.lm_head.weight" and hfc.get("tie_word_embeddings"):
+            out[name] = hf["model.language_model.embed_tokens.weight"]
+            continue
+        kind, targets = _targets(name, hfc)
+        parts = [hf[k] for k in targets]
+        if kind == "same":
+            out[name] = parts[0]
+        elif kind == "rows":
+            out[name] = torch.cat(parts)
+        elif name.endswith("w_out_EFD"):
+            out[name] = torch.stack([w.t() for w in parts])
+        else:
+            E = len(parts) // 2
+            out[name] = torch.stack([torch.cat([parts[e].t(), parts[E + e].t()], -1) for e in range(E)])
+    return out
+
+
+def _rows(hfc: dict, n_parts: int, total: int) -> list[int]:
+    if n_parts == 2:  # gate | up
+        return [total // 2, total // 2]
+    E = hfc["hidden_size"] // hfc["num_attention_heads"]
+    kv = hfc["num_key_value_heads"] * E
+    return [hfc["num_attention_heads"] * E, kv, kv]
+
+
+def _targets(name: str, hfc: dict) -> tuple[str, list[str]]:
+    """("same" | "rows" | "experts", the HF names the tensor becomes, in order)."""
+    for pat, repl in _SIMPLE:
+        if re.fullmatch(pat, name):
+            return "same", [re.sub(pat, repl, name)]
+    for pat, prefix, parts in _SPLIT:
+        if re.fullmatch(pat, name):
+            base = re.sub(pat, prefix, name)
+            return "rows", [f"{base}{_PART[p]}.weight" for p in parts]
+    m = re.fullmatch(_EXPERTS, name)
+    if m:
+        base, E = f"model.language_model.layers.{m[1]}.mlp.experts.", hfc["n_routed_experts"]
+        projs = ("down_proj",) if m[2] == "w_out_EFD" else ("gate_proj", "up_proj")
+        return "experts", [f"{base}{e}.{p}.weight" for p in projs for e in range(E)]
+    raise ValueError(f"{name}: a tensor the HF classes have no place for (an architecture change?)")
