@@ -90,14 +90,17 @@ def test_four_ranks_at_any_mesh_match_one_process(raw_for, one_process_four_rows
         assert four["traffic"]["ep_all_to_all"] > 0
 
 
-def test_two_ranks_run_diagnostics_reliance_guard_and_visual_ssl(make_raw, tmp_path):
+@pytest.mark.parametrize("mesh", [[], ["dist.ep=2"]], ids=["fsdp", "fsdp-ep2"])
+def test_two_ranks_run_diagnostics_reliance_guard_and_visual_ssl(make_raw, tmp_path, mesh):
     """Diagnostics are collective under FSDP (every rank joins, sums are all-reduced): both ranks
-    see the same gaps, so the reliance guard moves the weights identically on each."""
+    see the same gaps, so the reliance guard moves the weights identically on each. With expert
+    parallelism every evaluating forward joins the all-to-alls too (uneven val batches included)."""
     run = tmp_path / "run"
     config = write_config(make_raw, run, [
         "train.steps=4", "train.ckpt_every=0", "diagnostics.every=2", "diagnostics.batches=1",
         "diagnostics.warmup_steps=0", "loss.balancer.kind=reliance_guard", "model.vision.ssl_head=true",
-        "loss.visual_ssl.weight=0.5", "captions.images=2", "captions.videos=1"])
+        "loss.visual_ssl.weight=0.5", "captions.images=2", "captions.videos=1", "train.eval_batches=0",
+        *mesh])
     train(config, 2)
     diags = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
     assert [d["step"] for d in diags] == [0, 2, 4]
