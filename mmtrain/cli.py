@@ -13,7 +13,7 @@ from mmtrain.errors import run_guarded
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mmtrain import export, generate, train
+    from mmtrain import export, export_hf, generate, train
     from mmtrain.data_pipelines import cli as data_cli
 
     parser = argparse.ArgumentParser(prog="mmtrain", description="joint text + image + video pretraining")
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_export = sub.add_parser("export", help="consolidated weights (safetensors + config + tokenizer) "
                                              "of a checkpoint; --hf: a Hugging Face transformers folder")
     export.add_arguments(p_export)
-    p_export.set_defaults(func=export.run)
+    p_export.set_defaults(func=export_hf.run)  # --hf, else export.run
     p_gen = sub.add_parser("generate", help="captions and continuations from a checkpoint (KV cache)")
     generate.add_arguments(p_gen)
     p_gen.set_defaults(func=generate.run)

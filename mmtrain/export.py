@@ -88,14 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.hf:
-        from mmtrain.export_hf import export_hf
-
-        if args.max_shard_mib <= 0:
-            raise UserError(f"--max-shard-mib: must be > 0 (got {args.max_shard_mib})")
-        out = export_hf(args.checkpoint, args.out, args.max_shard_mib, parity=not args.no_parity)
-        print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out} (Hugging Face transformers)")
-        return 0
+    """mmtrain's own export (`--hf` goes to export_hf.run, which the CLI calls)."""
     out = export(args.checkpoint, args.out)
     print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out}")
     return 0

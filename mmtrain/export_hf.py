@@ -12,6 +12,7 @@ not installed). No transformers is needed to write it. Written next to DIR and r
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -20,6 +21,7 @@ from mmtrain.checkpoint import load_for_inference, swap_in, tokenizer_file
 from mmtrain.data_pipelines.tokenizer import SPECIAL_TOKENS, load_tokenizer
 from mmtrain.errors import UserError
 from mmtrain.export import resolve_checkpoint
+from mmtrain.export import run as run_mmtrain_export
 from mmtrain.hf import REMOTE_FILES
 from mmtrain.hf.convert import to_hf
 from mmtrain.hf_card import model_card
@@ -156,6 +158,17 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_mib: float = 4096, pa
     tmp.chmod(0o755)
     swap_in(tmp, out)
     return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """`mmtrain export` (arguments: export.add_arguments): this folder with --hf, else mmtrain's own."""
+    if not args.hf:
+        return run_mmtrain_export(args)
+    if args.max_shard_mib <= 0:
+        raise UserError(f"--max-shard-mib: must be > 0 (got {args.max_shard_mib})")
+    out = export_hf(args.checkpoint, args.out, args.max_shard_mib, parity=not args.no_parity)
+    print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out} (Hugging Face transformers)")
+    return 0
 
 
 def _is_hf_export(path: Path) -> bool:
