@@ -19,6 +19,13 @@ crash at any point leaves the previous checkpoint as the newest complete one; re
 newest one that verifies against its manifest (`newest_valid`). Only the last K are kept. Every
 `torch.load` is `weights_only=True`: the files hold tensors and plain Python data only.
 
+`save_async` (train.async_save) is the same save in two halves: at the step, DCP stages the
+sharded state into CPU memory and the other parts are serialised (all of it as of that step);
+DCP's thread and ours then write the files and hash them while training goes on. `poll`, called
+by every rank at step boundaries, commits (manifest, rename, prune) once all ranks' writes are
+done, by their gathered flags. Until then the save is only `.step_<N>.tmp`: a kill loses it and
+nothing before it.
+
 An export (`mmtrain export`) holds `model.safetensors` + `config.yaml` + `tokenizer.json`;
 `load_for_inference` reads both kinds (and the single-file `state.pt` checkpoints of before).
 """
@@ -26,12 +33,16 @@ An export (`mmtrain export`) holds `model.safetensors` + `config.yaml` + `tokeni
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 import re
 import shutil
 import warnings
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +51,7 @@ import yaml
 
 from mmtrain.distributed import DistEnv, barrier, broadcast_object
 from mmtrain.errors import UserError
-from mmtrain.manifest import verify, write_manifest
+from mmtrain.manifest import all_gather, own_entries, verify, write_manifest
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "state.pt"
@@ -51,11 +62,25 @@ TOKENIZER_FILE = "tokenizer.json"  # a copy, so a checkpoint is usable without t
 WEIGHTS_FILE = "model.safetensors"  # an export's consolidated weights
 
 
+@dataclass
+class _Pending:
+    """An asynchronous save: staged at `step`, its files being written into `tmp` in the background."""
+
+    step: int
+    tmp: Path
+    written: Future  # -> this rank's manifest entries, once all its files are on disk
+    before_commit: Callable[[], None] | None
+
+
 class Checkpointer:
     def __init__(self, run_dir: str | Path, keep_last: int, env: DistEnv | None = None):
         self.run_dir = Path(run_dir)
         self.keep_last = keep_last
         self.env = env or DistEnv()
+        self.while_writing: Callable[[int], None] | None = None  # fault injection: in the writer thread
+        self._pending: _Pending | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._group = None  # the background writes' own gloo group
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
@@ -103,35 +128,108 @@ class Checkpointer:
         `shared` (rank 0's) to state.pt, `per_rank` to rank_<r>.pt; then the atomic rename."""
         import torch.distributed.checkpoint as dcp
 
-        env = self.env
-        final, tmp = self.run_dir / f"step_{step}", self.run_dir / f".step_{step}.tmp"
-        if env.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier(env)
+        tmp = self._begin(step)
         with quiet_single_process():
-            dcp.save(dcp_state, checkpoint_id=tmp / DCP_DIR, no_dist=not env.distributed)  # fsyncs files
-        rank_file = tmp / RANK_FILE.format(env.rank)
-        torch.save(per_rank, rank_file)
-        _fsync(rank_file)
-        if env.is_main:
-            (tmp / CONFIG_FILE).write_text(config_text, encoding="utf-8")
-            for name, source in (files or {}).items():
-                shutil.copyfile(source, tmp / name)
-            torch.save(shared, tmp / STATE_FILE)
-            _fsync_tree(tmp)
+            dcp.save(dcp_state, checkpoint_id=tmp / DCP_DIR, no_dist=not self.env.distributed)  # fsyncs files
+        own = self._write_rest(tmp, self._snapshot(shared, per_rank, config_text, files))
         if before_commit is not None:
             before_commit()
-        barrier(env)  # every rank's files are on disk
-        write_manifest(tmp, env)  # last: what a later resume checks the files against
-        if env.is_main:
-            self._commit(tmp, final)
-            self._prune()
-        barrier(env)  # nobody reads or re-saves before the rename
-        return final
+        return self._commit(step, tmp, own)
 
-    def _commit(self, tmp: Path, final: Path) -> None:
-        swap_in(tmp, final)
+    def save_async(self, step: int, dcp_state: dict, shared: dict, per_rank: dict, config_text: str,
+                   files: dict[str, Path] | None = None,
+                   before_commit: Callable[[], None] | None = None) -> None:
+        """Collective, as `save`, but returns once the DCP state is staged (copied to CPU memory)
+        and `shared`/`per_rank` are serialised: their files are written in the background while
+        training goes on, and a later `poll` commits them. One save at a time."""
+        import torch.distributed.checkpoint as dcp
+
+        if self._pending is not None:
+            raise RuntimeError(f"step {step}: the save of step {self._pending.step} is not committed yet")
+        tmp = self._begin(step)
+        snapshot = self._snapshot(shared, per_rank, config_text, files)
+        if not self.env.distributed:  # DCP's writer thread says it for every save of one process
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        upload = dcp.async_save(dcp_state, checkpoint_id=tmp / DCP_DIR, process_group=self._writer_group(),
+                                no_dist=not self.env.distributed)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        written = self._writer.submit(self._write_after, upload, step, tmp, snapshot)
+        self._pending = _Pending(step, tmp, written, before_commit)
+
+    def poll(self, wait: bool = False) -> Path | None:
+        """Collective: commit the pending asynchronous save once every rank has written its files
+        (`wait`: block until then); -> its path, or None (no save pending, or a rank still writing).
+        The ranks decide on their gathered flags, not their own, so all commit at the same call."""
+        pending = self._pending
+        if pending is None:
+            return None
+        if wait:
+            futures.wait([pending.written])
+        flags = all_gather(_outcome(pending.written), self.env)
+        if not all(done for done, _ in flags):
+            return None
+        self._pending = None
+        failed = [f"rank {r}: {error}" for r, (_, error) in enumerate(flags) if error]
+        if failed:
+            raise RuntimeError(f"{pending.tmp}: the background write failed ({'; '.join(failed)})")
+        if pending.before_commit is not None:
+            pending.before_commit()
+        return self._commit(pending.step, pending.tmp, pending.written.result())
+
+    def _begin(self, step: int) -> Path:
+        tmp = self.run_dir / f".step_{step}.tmp"
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier(self.env)
+        return tmp
+
+    def _writer_group(self):
+        """The background writer's collectives run beside the loop's, so on a gloo group of their
+        own (torchtitan's way; gloo also serves CUDA runs, async_save needs a CPU backend)."""
+        if self.env.distributed and self._group is None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _snapshot(self, shared: dict, per_rank: dict, config_text: str,
+                  files: dict[str, Path] | None) -> dict[str, bytes | Path]:
+        """This rank's files besides DCP's, serialised now: the parts move on with the next step."""
+        out: dict[str, bytes | Path] = {RANK_FILE.format(self.env.rank): _serialised(per_rank)}
+        if self.env.is_main:  # state.pt last
+            out.update({CONFIG_FILE: config_text.encode(), **(files or {}), STATE_FILE: _serialised(shared)})
+        return out
+
+    def _write_after(self, upload: Future, step: int, tmp: Path, snapshot: dict[str, bytes | Path]) -> dict:
+        """The writer thread: once DCP's shards are written, this rank's other files."""
+        upload.result()
+        if self.while_writing is not None:
+            self.while_writing(step)
+        return self._write_rest(tmp, snapshot)
+
+    def _write_rest(self, tmp: Path, snapshot: dict[str, bytes | Path]) -> dict:
+        """Write and fsync this rank's files besides DCP's; -> the manifest entries of all it wrote."""
+        for name, data in snapshot.items():
+            if isinstance(data, Path):
+                shutil.copyfile(data, tmp / name)
+            else:
+                (tmp / name).write_bytes(data)
+            _fsync(tmp / name)
+        _fsync(tmp)
+        return own_entries(tmp, self.env.rank)
+
+    def _commit(self, step: int, tmp: Path, own: dict) -> Path:
+        """Collective: the manifest (its gather waits for every rank's files), then rank 0 renames
+        `tmp` into place and prunes; nobody reads or re-saves before the rename."""
+        final = self.run_dir / f"step_{step}"
+        write_manifest(tmp, self.env, own)  # last: what a later resume checks the files against
+        if self.env.is_main:
+            swap_in(tmp, final)
+            self._prune()
+        barrier(self.env)
+        return final
 
     def _recover(self) -> None:
         """A crash between the two renames of a re-save leaves `.step_N.old` and no `step_N`."""
@@ -299,12 +397,18 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _fsync_tree(path: Path) -> None:
-    """Flush the files of a checkpoint before the rename makes it visible."""
-    for f in path.iterdir():
-        if f.is_file():
-            _fsync(f)
-    _fsync(path)
+def _serialised(obj: dict) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _outcome(written: Future) -> tuple[bool, str | None]:
+    """(done, the first line of its error or None), without waiting."""
+    if not written.done():
+        return False, None
+    error = written.exception()
+    return True, None if error is None else _first_line(error)
 
 
 def _fsync(path: Path) -> None:

@@ -1,8 +1,9 @@
 """Fault injection (`train.faults`), as a callback: what the NaN, kill and resume tests provoke.
 
 It runs after every other callback, so a simulated crash comes where a real one would hurt most:
-after everything a step does, or with a checkpoint's files written but not committed. Kills fire in
-the first launch only, so that a torchrun restart resumes and finishes.
+after everything a step does, or with a checkpoint's files written but not committed (with
+train.async_save: in the background writer, halfway through the files). Kills fire in the first
+launch only, so that a torchrun restart resumes and finishes.
 """
 
 from __future__ import annotations
@@ -42,7 +43,15 @@ class FaultInjection(Callback):
         if self.cfg.kill_at_step == trainer.step:
             self._kill()
 
+    def on_train_start(self, trainer: Trainer) -> None:
+        if trainer.cfg.train.async_save:  # half written = in the background writer, the step going on
+            trainer.checkpointer.while_writing = self._kill_in_save
+
     def on_checkpoint_written(self, trainer: Trainer, step: int) -> None:
+        if not trainer.cfg.train.async_save:
+            self._kill_in_save(step)
+
+    def _kill_in_save(self, step: int) -> None:
         if self.cfg.kill_in_save_at_step == step:
             self._kill()
 

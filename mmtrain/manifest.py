@@ -3,7 +3,8 @@
 `manifest.json` is the last file written into `.step_<N>.tmp/` before the rename, so a committed
 checkpoint whose files do not match it was damaged afterwards (a truncated copy, a bad disk, a
 partial rsync). Each rank hashes the files it wrote (its `rank_<r>.pt` and DCP shards
-`__<r>_*.distcp`) and, on resume, its share of the list; rank 0 hashes the rest. Checkpoints
+`__<r>_*.distcp`; rank 0 also the shared files) right after writing them, in the background
+writer of an asynchronous save; on resume, each rank checks its share of the list. Checkpoints
 written before manifests existed have none and are taken as they are.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from mmtrain.distributed import DistEnv
@@ -22,6 +24,7 @@ VERSION = 1
 # here too rather than imported back; tests/mmtrain/test_manifest.py keeps the two equal).
 DCP_DIR = "dcp"
 RANK_FILE = "rank_{:05d}.pt"
+_ANY_RANKS = re.compile(rf"^(rank_\d+\.pt|{DCP_DIR}/__\d+_.*)$")  # files some rank writes for itself
 
 
 def _entry(file: Path) -> dict:
@@ -40,7 +43,17 @@ def _own_files(root: Path, rank: int) -> list[str]:
     return [name for name in own if (root / name).is_file()]
 
 
-def _gather(obj, env: DistEnv) -> list:
+def own_entries(root: Path, rank: int) -> dict:
+    """Size and hash of the files this rank wrote; rank 0 adds the shared ones (state.pt, config,
+    DCP's .metadata...), but never another rank's, which may still be being written."""
+    names = _own_files(root, rank)
+    if rank == 0:
+        names += [n for n in _all_files(root) if not _ANY_RANKS.match(n)]
+    return {name: _entry(root / name) for name in names}
+
+
+def all_gather(obj, env: DistEnv) -> list:
+    """Every rank's `obj`, in rank order (the object itself in one process)."""
     if not env.distributed:
         return [obj]
     import torch.distributed as dist
@@ -50,9 +63,10 @@ def _gather(obj, env: DistEnv) -> list:
     return out
 
 
-def write_manifest(root: Path, env: DistEnv) -> None:
-    """Collective: every rank hashes its own files; rank 0 adds the rest and writes the manifest."""
-    hashed = _gather({name: _entry(root / name) for name in _own_files(root, env.rank)}, env)
+def write_manifest(root: Path, env: DistEnv, own: dict) -> None:
+    """Collective: every rank brings the `own_entries` of its files; rank 0 adds any file nobody
+    hashed and writes the manifest."""
+    hashed = all_gather(own, env)
     if not env.is_main:
         return
     files = {k: v for part in hashed for k, v in part.items()}
@@ -94,4 +108,4 @@ def verify(root: Path, env: DistEnv) -> str | None:
             problem = f"{MANIFEST_FILE} is unreadable ({type(e).__name__})"
     elif not (root / "state.pt").is_file():
         problem = "no state.pt and no manifest"
-    return next(filter(None, _gather(problem, env)), None)
+    return next(filter(None, all_gather(problem, env)), None)

@@ -80,7 +80,9 @@ class LossConfig:
 @dataclass
 class FaultConfig:
     """Fault injection, for tests and drills only (0 = off). The kill knobs fire in the first launch
-    only: after a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) they are ignored."""
+    only: after a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) they are ignored. With
+    train.async_save a save is half written in its background writer (DCP's shards are, the rest
+    not), while the training goes on."""
 
     nan_at_step: int = 0  # the loss of this optimizer step (1-based) becomes NaN on `rank`
     kill_at_step: int = 0  # `rank` SIGKILLs itself after this step's update, before its eval/checkpoint
@@ -118,6 +120,7 @@ class TrainConfig:
     eval_batches: int = 0  # 0: the whole val split
     ckpt_every: int = 200  # 0: only the final checkpoint
     keep_last: int = 2
+    async_save: bool = False  # write checkpoints in the background while training goes on (DCP async_save)
     max_skipped_steps: int = 10  # consecutive non-finite steps before the run stops
     time_limit_min: float = 0.0  # stop cleanly (final eval + checkpoint) after this long; 0: no limit
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: from the GPU name (H100/H200), else no MFU

@@ -160,13 +160,16 @@ class Parts:
 
 # ----- save ------------------------------------------------------------------------------------
 def save_checkpoint(checkpointer: Checkpointer, parts: Parts, step: int, config: dict, config_text: str,
-                    files: dict[str, Path], before_commit: Callable[[], None] | None = None) -> Path:
-    """Collective. DCP calls the sharded parts' state_dict itself (they are Stateful)."""
+                    files: dict[str, Path], before_commit: Callable[[], None] | None = None,
+                    background: bool = False) -> Path | None:
+    """Collective. DCP calls the sharded parts' state_dict itself (they are Stateful). `background`:
+    staged now, written while training goes on, committed by `checkpointer.poll` (-> None)."""
     env = checkpointer.env
     shared = {"format": FORMAT, "world_size": env.world_size, "config": config,
               **{name: part.state_dict() for name, part in parts.replicated.items()}}
     own = {"rank": env.rank, **{name: part.state_dict() for name, part in parts.per_rank.items()}}
-    return checkpointer.save(step, dict(parts.sharded), shared, own, config_text, files, before_commit)
+    save = checkpointer.save_async if background else checkpointer.save
+    return save(step, dict(parts.sharded), shared, own, config_text, files, before_commit)
 
 
 # ----- load ------------------------------------------------------------------------------------

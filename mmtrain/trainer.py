@@ -8,6 +8,7 @@ injection, and any user callback -- are callbacks (mmtrain/callbacks.py) it call
     fit:  resume (in __init__) -> eval -> on_train_start
           each step: train_step (on_loss per micro-batch) -> log -> on_step_end
                      -> eval / checkpoint (on_checkpoint_written, on_checkpoint) when due
+                     (train.async_save: written in the background, committed at a later step)
           after the last step (or the time limit): eval -> checkpoint -> on_train_end(summary)
 
 One process, or one rank of a torchrun job: parallelism is applied from outside the model
@@ -189,15 +190,26 @@ class Trainer:
             raise UserError(f"{latest}: cannot load checkpoint: {str(e).splitlines()[0]}") from None
         return latest
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, wait: bool = False) -> Path | None:
+        """-> the committed checkpoint; with train.async_save (unless `wait`) None: it is staged now,
+        written in the background and committed at a later step boundary. One save at a time."""
+        self._acknowledge(self.checkpointer.poll(wait=True))
         tok = tokenizer_file(self.cfg.data.tokenizer)  # data.tokenizer may be a directory
         files = {TOKENIZER_FILE: tok} if tok is not None else {}
         step = self.step
         path = train_state.save_checkpoint(
             self.checkpointer, self.parts(), step, to_dict(self.cfg), self.config_text, files,
-            before_commit=lambda: self.callbacks.emit("on_checkpoint_written", self, step))
-        self.callbacks.emit("on_checkpoint", self, path)
+            before_commit=lambda: self.callbacks.emit("on_checkpoint_written", self, step),
+            background=self.cfg.train.async_save and not wait)
+        self._acknowledge(path)
         return path
+
+    def _acknowledge(self, path: Path | None) -> None:
+        """A checkpoint counts (logged, on_checkpoint) once committed; None: none was."""
+        if path is not None:
+            if self.log is not None:
+                self.log.info(f"checkpoint {path} committed at step {self.step}")
+            self.callbacks.emit("on_checkpoint", self, path)
 
     # ----- the loop --------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -212,6 +224,7 @@ class Trainer:
                 stats = self.train_step(self._batches())
                 self._log_step(stats)
                 self.callbacks.emit("on_step_end", self, stats)
+                self._acknowledge(self.checkpointer.poll())  # a background save, once all ranks wrote it
                 if self.is_log_step(stats):
                     self._log_callback_scalars(stats)
                 if stats.time_up:
@@ -240,7 +253,7 @@ class Trainer:
         """The last eval (unless this step had one), the final checkpoint, the summary."""
         if self.state.evals[-1]["step"] != self.step:
             self.evaluate()
-        path = self.save_checkpoint()
+        path = self.save_checkpoint(wait=True)
         summary = self.summary(path)
         self.callbacks.emit("on_train_end", self, summary)
         if self.env.is_main:
