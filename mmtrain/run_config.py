@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -160,8 +161,6 @@ class DistConfig:
         check(self, "dp_replicate", "cp", "ep", ge=1)
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"dp_shard: must be >= 1 or -1 (the rest of the world) (got {self.dp_shard})")
-        if self.cp > 1:
-            raise ValueError(f"cp: context parallelism is not available yet; use 1 (got {self.cp})")
 
 
 @dataclass
@@ -178,6 +177,7 @@ class RunConfig:
 
     def __post_init__(self):
         self._check_objectives()
+        self._check_context_parallel()
         known = {s.name for s in self.data.train}
         for i, stage in enumerate(self.train.stages):
             for name in stage.sources:
@@ -191,6 +191,21 @@ class RunConfig:
                     f"model.vision.{name}: must equal data.media.{name} "
                     f"({getattr(vision, name)} != {getattr(media, name)})"
                 )
+
+    def _check_context_parallel(self) -> None:
+        """A cp rank holds seq_len / cp tokens of every row, in whole tiles of both layer kinds."""
+        cp, attn = self.dist.cp, self.model.decoder.attention
+        if cp == 1:
+            return
+        unit = cp * math.lcm(attn.block_size, attn.full_tile)
+        if self.data.seq_len % unit:
+            raise ValueError(f"dist.cp: data.seq_len {self.data.seq_len} must be a multiple of cp x "
+                             f"lcm(block_size, full_tile) = {unit}")
+        if self.dist.strategy != "fsdp":
+            raise ValueError("dist.cp: > 1 needs dist.strategy: fsdp")
+        if self.loss.balancer.kind == "gradnorm" or self.loss.token_weighting.strength:
+            raise ValueError("dist.cp: > 1 does not combine with loss.balancer.kind gradnorm or "
+                             "loss.token_weighting (they take whole-row forwards of their own)")
 
     def _check_objectives(self) -> None:
         if self.loss.visual_ssl.weight > 0 and not self.model.vision.ssl_head:

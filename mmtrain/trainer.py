@@ -57,6 +57,7 @@ from mmtrain.models.attention.counts import ATTN_COUNTS
 from mmtrain.models.vision import make_ssl_mask
 from mmtrain.objectives import head_grads, task_losses, weighted_total, z_loss
 from mmtrain.optim import build_optimizer, build_scheduler
+from mmtrain.parallel.context_parallel import context_shard, local_targets
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.expert_parallel import Traffic
 from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync, scale_expert_grads
@@ -95,6 +96,7 @@ class Trainer:
         self.traffic = Traffic()  # bytes the expert-parallel all-to-alls move (a callback)
         train_state.seed_everything(cfg.train.seed)  # the same initial weights on every rank
         self.raw_model, self.model = build_model(cfg, self.env, self.device, self.dims, self.traffic)
+        self.context = context_shard(self.dims, self.device, cfg.data.seq_len, self.traffic)  # or None
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.balancer = build_balancer(cfg.loss.balancer, {t: getattr(cfg.loss, t) for t in TASK_NAMES})
@@ -127,7 +129,7 @@ class Trainer:
         """What the config asks for besides the loop (fault injection comes last, see fault_callbacks)."""
         cfg = self.cfg
         out: list[Callback] = [Throughput(peak_tflops(self.device, cfg.train.peak_tflops))]
-        if self.dims.ep > 1:
+        if self.dims.ep > 1 or self.dims.cp > 1:
             out.append(self.traffic)
         if cfg.train.stages:
             out.append(Curriculum(cfg.data, cfg.train.stages, self.use_train_data))
@@ -269,7 +271,8 @@ class Trainer:
         weights = self.balancer.weights()
         acc = dict.fromkeys(_STATS, 0.0)
         # On log steps the layers also count what their attention visited (MFU, sparsity).
-        self._attn_acc = {} if (self.step + 1) % self.cfg.train.log_every == 0 else None
+        log_step = (self.step + 1) % self.cfg.train.log_every == 0
+        self._attn_acc = {} if log_step and self.context is None else None  # (counts need whole rows)
         self._head_g = {}
         for i in range(accum):
             t0 = time.perf_counter()
@@ -309,8 +312,12 @@ class Trainer:
                          {t: int(total[f"n_{t}"]) for t in TASK_NAMES}, step_figures(total, world))
 
     def _micro_batch(self, batch: PackedBatch, weights: dict[str, float], acc: dict) -> torch.Tensor:
-        """Forward one micro-batch; -> this rank's share of its loss (the whole loss in one process)."""
-        world = self.env.world_size
+        """Forward one micro-batch; -> this rank's share of its loss (the whole loss in one process).
+        Under context parallelism the model reads whole rows and predicts this rank's chunk of
+        them: `batch` holds the chunk's targets from here on."""
+        world, inputs, cp = self.env.world_size, batch.model_inputs(), {}
+        if self.context is not None:
+            batch, cp = local_targets(batch, self.context), {"context": self.context}
         if world > 1:  # trained tokens per task (and in all) on every rank, known before forward
             counts = torch.stack([((batch.labels_BS != IGNORE_INDEX) & (batch.task_BS == t)).sum()
                                   for t in range(len(TASK_NAMES))]).to(torch.float64)
@@ -321,8 +328,7 @@ class Trainer:
         tw = self.token_weighting
         ce_blank_BS = tw.blank_ce(batch, counts if world > 1 else None, acc) if tw else None
         with self.autocast():
-            out = self.model(**batch.model_inputs(), ssl_mask_N=ssl_mask,
-                             attn_stats=self._attn_acc is not None)
+            out = self.model(**inputs, ssl_mask_N=ssl_mask, attn_stats=self._attn_acc is not None, **cp)
         for layer, st in out.attn_stats.items():
             row = torch.stack([st[k].double() for k in ATTN_COUNTS])
             self._attn_acc[layer] = self._attn_acc.get(layer, 0) + row
@@ -353,8 +359,9 @@ class Trainer:
         real = batch.task_BS >= 0
         acc["tokens"] += batch.num_tokens()
         acc["visual"] += int((real & (batch.modality_BS != TEXT)).sum())
-        acc["media"] += batch.grid_thw_M3.shape[0]
-        acc["patches"] += batch.patches_NP.shape[0]
+        if self.dims.cp_rank == 0:  # the media are whole on every rank of a cp group
+            acc["media"] += batch.grid_thw_M3.shape[0]
+            acc["patches"] += batch.patches_NP.shape[0]
         return loss
 
     def _finish_attn_stats(self) -> None:
@@ -369,9 +376,10 @@ class Trainer:
                 "keys_per_token": float(c[0] / max(float(c[3]), 1.0))} for i, c in zip(layers, total_LC)}
 
     def _ssl_mask(self, batch: PackedBatch) -> torch.Tensor:
-        """Which patches the masked-patch term hides: a pure function of (seed, step, rank, batch)."""
+        """Which patches the masked-patch term hides: a pure function of (seed, step, data-parallel
+        rank, batch), so the ranks of a cp group, which encode the same media, hide the same ones."""
         cfg = self.cfg.loss.visual_ssl
-        gen = torch.Generator().manual_seed(hash((self.cfg.train.seed, self.step, self.env.rank,
+        gen = torch.Generator().manual_seed(hash((self.cfg.train.seed, self.step, self.dims.dp_rank,
                                                   batch.patches_NP.shape[0])) % 2**63)
         mask_N = make_ssl_mask(batch.grid_thw_M3.cpu(), cfg.mask_ratio, cfg.media_share, gen)
         return mask_N.to(self.device)

@@ -16,6 +16,7 @@ from torch import nn
 from mmtrain.checks import check
 
 from .attention import AttentionConfig, build_meta
+from .attention.context import ContextShard
 from .chunked import over_tokens
 from .ffn import SwiGLU
 from .moe import MoE, MoEConfig
@@ -87,18 +88,23 @@ class DecoderLayer(nn.Module):
                     else SwiGLU(cfg.dim, cfg.ffn_dim))
 
     def forward(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor, meta, attn_cfg: AttentionConfig,
-                modality_BS: Tensor, capture: dict | None = None,
-                stats: dict | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-        """-> (x, aux); aux is {} for a dense FFN, else the MoE's losses and load (a pytree)."""
+                modality_BS: Tensor, capture: dict | None = None, stats: dict | None = None,
+                context: ContextShard | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """-> (x, aux); aux is {} for a dense FFN, else the MoE's losses and load (a pytree). With
+        `context`, x and modality are this rank's chunk of every row, meta the whole rows'."""
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF, meta, attn_cfg,
-                                  sparse=self.sparse, capture=capture, stats=stats)
-        return self.feed_forward(x_BSD, modality_BS, meta.real_BS)
+                                  sparse=self.sparse, capture=capture, stats=stats, context=context)
+        if context is None:
+            return self.feed_forward(x_BSD, modality_BS, meta.real_BS)
+        return self.feed_forward(x_BSD, modality_BS, context.local(meta.real_BS), context.comm.sum)
 
-    def feed_forward(self, x_BSD: Tensor, modality_BS: Tensor, real_BS: Tensor) -> tuple[Tensor, dict]:
-        """The FFN half of the block (also the KV-cache decode step's): -> (x, aux)."""
+    def feed_forward(self, x_BSD: Tensor, modality_BS: Tensor, real_BS: Tensor,
+                     row_sum=None) -> tuple[Tensor, dict]:
+        """The FFN half of the block (also the KV-cache decode step's): -> (x, aux). `row_sum`
+        completes the MoE's per-row balance statistics over a row split across ranks."""
         h_BSD = self.ffn_norm(x_BSD)
         if isinstance(self.ffn, MoE):
-            y_BSD, aux = self.ffn(h_BSD, modality_BS, real_BS)
+            y_BSD, aux = self.ffn(h_BSD, modality_BS, real_BS, row_sum)
             return x_BSD + y_BSD, aux
         y_TD = over_tokens(self.ffn, self.ffn_chunk, h_BSD.flatten(0, 1))
         return x_BSD + y_TD.view_as(x_BSD), {}
@@ -121,6 +127,15 @@ def scatter_visual(h_BSD: Tensor, modality_BS: Tensor, visual_QD: Tensor) -> Ten
         raise ValueError(f"modality: {b_Q.numel()} visual placeholders but the vision encoder "
                          f"returned {visual_QD.shape[0]} tokens")
     return h_BSD.index_put((b_Q, s_Q), visual_QD.to(h_BSD.dtype))
+
+
+def local_visual(modality_BS: Tensor, visual_QD: Tensor, lo: int, hi: int) -> Tensor:
+    """The visual tokens whose placeholders lie in positions [lo, hi) of their rows (row-major)."""
+    _, s_Q = torch.nonzero(modality_BS != 0, as_tuple=True)
+    if s_Q.numel() != visual_QD.shape[0]:
+        raise ValueError(f"modality: {s_Q.numel()} visual placeholders but the vision encoder "
+                         f"returned {visual_QD.shape[0]} tokens")
+    return visual_QD[(s_Q >= lo) & (s_Q < hi)]
 
 
 class Decoder(nn.Module):
@@ -164,14 +179,21 @@ class Decoder(nn.Module):
 
     def forward(self, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, span_ids_BS: Tensor,
                 modality_BS: Tensor, visual_QD: Tensor | None = None,
-                capture_layers: Collection[int] | None = None, attn_stats: bool = False) -> DecoderOutput:
+                capture_layers: Collection[int] | None = None, attn_stats: bool = False,
+                context: ContextShard | None = None) -> DecoderOutput:
         """doc_ids < 0 mark padding (not routed by MoE, not counted); `attn_stats` asks every layer
-        for the counts of what its attention visited (keys, kept and reachable blocks)."""
+        for the counts of what its attention visited (keys, kept and reachable blocks). With
+        `context` (context parallelism) the inputs are whole rows and the outputs this rank's chunk."""
+        meta = build_meta(doc_ids_BS, span_ids_BS, self.cfg.attention.block_size)  # once, all layers
+        if context is not None:
+            if visual_QD is not None:
+                visual_QD = local_visual(modality_BS, visual_QD, context.lo, context.hi)
+            tokens_BS, modality_BS = context.local(tokens_BS), context.local(modality_BS)
+            pos_ids_3BS = context.local(pos_ids_3BS, dim=2)
         h_BSD = self.embed(tokens_BS)
         if visual_QD is not None:
             h_BSD = scatter_visual(h_BSD, modality_BS, visual_QD)
         cos_B1SF, sin_B1SF = self.rotary(pos_ids_3BS)
-        meta = build_meta(doc_ids_BS, span_ids_BS, self.cfg.attention.block_size)  # once, all layers
         captures = {i: {} for i in (capture_layers or ())}
         stats = {i: {} for i in range(len(self.layers))} if attn_stats else {}
         aux_losses: dict[str, Tensor] = {}
@@ -180,7 +202,7 @@ class Decoder(nn.Module):
             if i in captures or i in stats:  # measuring: the eager layer (a compiled one would
                 layer = getattr(layer, "_orig_mod", layer)  # break its graph and recompile)
             h_BSD, aux = layer(h_BSD, cos_B1SF, sin_B1SF, meta, self.cfg.attention, modality_BS,
-                               captures.get(i), stats.get(i))
+                               captures.get(i), stats.get(i), context)
             if aux:
                 for name in ("moe_seq_balance", "router_z"):
                     aux_losses[name] = aux_losses.get(name, 0.0) + aux[name]

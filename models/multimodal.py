@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .attention.context import ContextShard
 from .counting import ParamCount, count_params, flops_per_token
 from .decoder import Decoder, DecoderConfig
 from .moe import MoE
@@ -53,16 +54,19 @@ class MultimodalModel(nn.Module):
     def forward(self, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, span_ids_BS: Tensor,
                 modality_BS: Tensor, patches_NP: Tensor, grid_thw_M3: Tensor,
                 capture_layers: Collection[int] | None = None, compute_logits: bool = True,
-                ssl_mask_N: Tensor | None = None, attn_stats: bool = False) -> ModelOutput:
+                ssl_mask_N: Tensor | None = None, attn_stats: bool = False,
+                context: ContextShard | None = None) -> ModelOutput:
         """`ssl_mask_N` (bool, one per patch; see `vision.make_ssl_mask`) adds the vision encoder's
         masked-patch loss, computed here so that FSDP/DDP forward hooks cover its second pass.
-        The decoder always sees the real, unmasked patches.
+        The decoder always sees the real, unmasked patches. With `context` (context parallelism:
+        attention/context.py) the inputs are whole rows, the vision tower encodes every medium of
+        them and the outputs (logits, hidden states) are this rank's chunk of each row.
         """
         visual_ND = self.vision(patches_NP, grid_thw_M3)  # N: patches in, merged tokens out
         visual_ssl = (None if ssl_mask_N is None
                       else self.vision.masked_patch_loss(patches_NP, grid_thw_M3, ssl_mask_N))
         out = self.decoder(tokens_BS, pos_ids_3BS, doc_ids_BS, span_ids_BS, modality_BS, visual_ND,
-                           capture_layers, attn_stats)
+                           capture_layers, attn_stats, context)
         logits_BSV = self.decoder.logits(out.hidden_BSD) if compute_logits else None
         return ModelOutput(logits_BSV, out.hidden_BSD, out.aux_losses, out.expert_load, out.router_entropy,
                            out.captures, visual_ND, visual_ssl, out.attn_stats)

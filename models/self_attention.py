@@ -34,9 +34,12 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
 
     def forward(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor, meta, cfg: AttentionConfig,
-                sparse: bool = False, capture: dict | None = None, stats: dict | None = None) -> Tensor:
+                sparse: bool = False, capture: dict | None = None, stats: dict | None = None,
+                context=None) -> Tensor:
+        """`context` (attention/context.py): x is this rank's chunk of every row."""
         q_BHSE, k_BKSE, v_BKSE = self.project(x_BSD, cos_B1SF, sin_B1SF)
-        o_BHSE = attend(q_BHSE, k_BKSE, v_BKSE, meta, cfg, sparse=sparse, capture=capture, stats=stats)
+        o_BHSE = attend(q_BHSE, k_BKSE, v_BKSE, meta, cfg, sparse=sparse, capture=capture, stats=stats,
+                        context=context)
         return self.output(o_BHSE)
 
     def project(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor) -> tuple[Tensor, Tensor, Tensor]:

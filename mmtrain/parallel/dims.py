@@ -91,6 +91,11 @@ class ParallelDims:
         return self._mesh(device_type, "expert", (self.dp_replicate, self.efsdp, self.ep),
                           ("dp_replicate", "efsdp", "ep"))
 
+    def cp_mesh(self, device_type: str):
+        """(dp_replicate, dp_shard, cp): a `cp` group is the ranks that split the same rows."""
+        return self._mesh(device_type, "cp", (self.dp_replicate, self.dp_shard, self.cp),
+                          ("dp_replicate", "dp_shard", "cp"))
+
     def _mesh(self, device_type: str, name: str, sizes: tuple[int, ...], names: tuple[str, ...]):
         if name not in self._meshes:
             from torch.distributed.device_mesh import init_device_mesh

@@ -9,6 +9,7 @@ import torch
 
 from . import flash
 from .config import AttentionConfig
+from .context import ContextShard, attend_context
 from .counts import full_counts, sparse_counts
 from .dense import attend_dense
 from .flex import attend_flex
@@ -53,14 +54,20 @@ def resolve_backend(cfg: AttentionConfig, q_BHSD: Tensor, meta: AttnMeta, sparse
 
 
 def attend(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
-           sparse: bool, capture: dict | None = None, stats: dict | None = None) -> Tensor:
+           sparse: bool, capture: dict | None = None, stats: dict | None = None,
+           context: ContextShard | None = None) -> Tensor:
     """Attention of q over k/v under the token rule (and, if `sparse`, the block rule).
 
     q (B, H, S, D); k, v (B, Hkv, S, D), H % Hkv == 0. Returns (B, H, S, D) in q's dtype; softmax
     scale 1/sqrt(D). With `capture`, stores "q", "k" (detached) and, for sparse layers,
     "selection" (the `Selection` of picks). With `stats`, stores what the layer visits
-    (counts.py: keys, kept and reachable blocks, tokens; scalar tensors).
+    (counts.py: keys, kept and reachable blocks, tokens; scalar tensors). With `context`, q, k, v
+    are this rank's chunk of every row (context.py; the gather kernel, any backend asked for).
     """
+    if context is not None:
+        if capture is not None or stats is not None:
+            raise ValueError("attend: capture and stats need whole rows (run without context parallelism)")
+        return attend_context(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sparse, context)
     _check(q_BHSD, k_BKSD, v_BKSD, meta, cfg)
     if (sparse and capture is None and stats is None and torch.compiler.is_compiling()
             and resolve_backend(cfg, q_BHSD, meta, sparse) == "gather"):

@@ -16,7 +16,8 @@ tiles would hold more than `gather_checkpoint_mib` (short rows keep them: cheape
 Legend: B batch, H query heads, K kv heads, S tokens, D head dim, G selection heads (H, K),
 R = H // G query heads per selection head, Bs block size, M = R * Bs query rows of a tile,
 X tiles + the null block, C tiles in a chunk, T gathered blocks per tile, J = T * Bs keys,
-A aligned blocks, L = A * Bs aligned slots, Q row blocks, P = Q * Bs.
+A aligned blocks, L = A * Bs aligned slots, Q row blocks, P = Q * Bs; s, Y: a context-parallel
+rank's query tokens and tiles.
 """
 
 from __future__ import annotations
@@ -103,20 +104,22 @@ def _kv_blocks(x_BKPD: Tensor, G: int, Bs: int) -> Tensor:
     return x_BKPD.view(B, G, P // Bs + 1, Bs, D)
 
 
-def _run(q_BGXMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, chunk, ckpt, lists, fused=False) -> Tensor:
-    """Loop over chunks of tiles; `lists(c0, C)` -> (idx_BGCT, keep_BGCbT or None)."""
-    B, G, X, M, D = q_BGXMD.shape
-    Bs = k_BGXbD.shape[-2]
-    pos_Xb = torch.arange((X + 1) * Bs, device=q_BGXMD.device).view(X + 1, Bs)
+def _run(q_BGYMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, chunk, ckpt, lists, fused=False, t0: int = 0
+         ) -> Tensor:
+    """Loop over chunks of tiles; `lists(c0, C)` -> (idx_BGCT, keep_BGCbT or None). The queries
+    are the Y tiles t0 .. t0 + Y of the layout's X (all of them by default; a context-parallel
+    rank runs only its own)."""
+    Y, X, Bs = q_BGYMD.shape[2], k_BGXbD.shape[2] - 1, k_BGXbD.shape[-2]
+    pos_Xb = torch.arange((X + 1) * Bs, device=q_BGYMD.device).view(X + 1, Bs)
     outs = []
-    c0, C = 0, chunk
-    while c0 < X:
-        idx_BGCT, keep_BGCbT = lists(c0, min(C, X - c0))
-        args = (q_BGXMD[:, :, c0:c0 + idx_BGCT.shape[2]], k_BGXbD, v_BGXbD, idx_BGCT, doc_BXb, skey_BXb,
-                pos_Xb, c0, keep_BGCbT, fused)
+    c0, C = t0, chunk
+    while c0 < t0 + Y:
+        idx_BGCT, keep_BGCbT = lists(c0, min(C, t0 + Y - c0))
+        args = (q_BGYMD[:, :, c0 - t0:c0 - t0 + idx_BGCT.shape[2]], k_BGXbD, v_BGXbD, idx_BGCT, doc_BXb,
+                skey_BXb, pos_Xb, c0, keep_BGCbT, fused)
         outs.append(checkpoint(_chunk, *args, use_reentrant=False) if ckpt else _chunk(*args))
         c0 += idx_BGCT.shape[2]
-    return torch.cat(outs, dim=2)
+    return torch.cat(outs, dim=2) if outs else q_BGYMD
 
 
 def _chunk_size(chunk: int, B: int, H: int, Bs: int, T: int) -> int:
@@ -160,22 +163,26 @@ def attend_gather_sparse(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: A
     return from_aligned(_untile(out_BGAMD, H, Bs), meta).to(q_BHSD.dtype)
 
 
-def attend_gather_full(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig
-                       ) -> Tensor:
-    """A full layer on the row layout: each tile visits every block its tokens can reach."""
-    B, H, S, D = q_BHSD.shape
-    K, Bs = k_BKSD.shape[1], cfg.full_tile  # tiles of the row layout: any size computes the same
+def attend_gather_full(q_BHsD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+                       q_start: int = 0) -> Tensor:
+    """A full layer on the row layout: each tile visits every block its tokens can reach. The
+    queries are the row's tokens q_start .. q_start + s (all of them by default; q_start a multiple
+    of cfg.full_tile), the keys the whole row."""
+    B, H, s, D = q_BHsD.shape
+    S, K, Bs = meta.seq_len, k_BKSD.shape[1], cfg.full_tile  # row tiles: any size computes the same
     Q = -(-S // Bs)
     P = Q * Bs
     lo_BQ, hi_BQ = full_intervals(meta, Bs)
     T = max(int((hi_BQ - lo_BQ + 1).amax()), 1)
     pad = (0, 0, 0, P - S)
-    q_BKQMD = _tiles(F.pad(q_BHSD * (1 / math.sqrt(D)), pad), K, Q, Bs)
+    t0 = q_start // Bs
+    Y = -(-s // Bs)
+    q_BKYMD = _tiles(F.pad(q_BHsD * (1 / math.sqrt(D)), (0, 0, 0, Y * Bs - s)), K, Y, Bs)
     k_BKXbD, v_BKXbD = _kv_blocks(F.pad(k_BKSD, pad), K, Bs), _kv_blocks(F.pad(v_BKSD, pad), K, Bs)
     doc_BXb = torch.cat([meta.padded("doc", Bs), meta.null.expand(B, Bs)], 1).view(B, Q + 1, Bs)
     skey_BXb = torch.cat([meta.padded("skey", Bs), meta.skey_BS.new_full((B, Bs), -(2**50))], 1)
     skey_BXb = skey_BXb.view(B, Q + 1, Bs)
-    t_T = torch.arange(T, device=q_BHSD.device)
+    t_T = torch.arange(T, device=q_BHsD.device)
 
     def lists(c0: int, C: int):
         idx_BCT = lo_BQ[:, c0:c0 + C, None] + t_T
@@ -183,7 +190,7 @@ def attend_gather_full(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: Att
         return idx_BCT[:, None].expand(B, K, -1, T), None
 
     C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
-    ckpt = _wants_ckpt(cfg, q_BKQMD, T, Bs, q_BHSD, k_BKSD, v_BKSD)
+    ckpt = _wants_ckpt(cfg, q_BKYMD, T, Bs, q_BHsD, k_BKSD, v_BKSD)
     fused = cfg.gather_kernel == "sdpa"
-    out_BKQMD = _run(q_BKQMD, k_BKXbD, v_BKXbD, doc_BXb, skey_BXb, C, ckpt, lists, fused)
-    return _untile(out_BKQMD, H, Bs)[:, :, :S].to(q_BHSD.dtype)
+    out_BKYMD = _run(q_BKYMD, k_BKXbD, v_BKXbD, doc_BXb, skey_BXb, C, ckpt, lists, fused, t0)
+    return _untile(out_BKYMD, H, Bs)[:, :, :s].to(q_BHsD.dtype)

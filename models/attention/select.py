@@ -99,26 +99,38 @@ def select_blocks(q_BHSD: Tensor, k_BKSD: Tensor, meta: AttnMeta, cfg: Attention
     if k == 0:
         return Selection(q_BHSD.new_zeros(B, G, A * Bs, 0, dtype=torch.long))
     km_BGAD = block_means(to_aligned(k_BKSD, meta), meta).repeat_interleave(G // K, 1)
-    q_BGLD = _query_vectors(q_BHSD, meta, G)
+    return select_aligned(_query_vectors(q_BHSD, meta, G), km_BGAD, meta, cfg)
+
+
+def select_aligned(q_BGLD: Tensor, km_BGAD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+                   reduce=None, tiles: tuple[int, int] | None = None) -> Selection:
+    """The picks from the selection heads' queries per aligned slot and the key-block means.
+
+    For a context-parallel rank (attention/context.py): `reduce` sums its partial block means of
+    the queries over the group, and only the tiles t0 .. t1 are scored per token (others: -1)."""
+    Bs = cfg.block_size
     if cfg.select == "block":
         qm_BGAD = block_means(q_BGLD, meta)
+        qm_BGAD = qm_BGAD if reduce is None else reduce(qm_BGAD)
         prev_BGAD = torch.nn.functional.pad(qm_BGAD[:, :, :-1], (0, 0, 1, 0))  # block a - 1
         bp_BGAk = _select(prev_BGAD, km_BGAD, meta, cfg, per_token=False)
         return Selection(bp_BGAk.repeat_interleave(Bs, 2), bp_BGAk)
-    return Selection(_select(q_BGLD, km_BGAD, meta, cfg, per_token=True))
+    return Selection(_select(q_BGLD, km_BGAD, meta, cfg, per_token=True, tiles=tiles))
 
 
 def _select(qv_BGMD: Tensor, km_BGAD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
-            per_token: bool) -> Tensor:
-    """Picks for query vectors per slot (per_token) or per aligned block, in chunks of tiles."""
+            per_token: bool, tiles: tuple[int, int] | None = None) -> Tensor:
+    """Picks for query vectors per slot (per_token) or per aligned block, in chunks of tiles
+    (those of `tiles` only: the others get none)."""
     lay = meta.aligned()
     B, G, _, D = qv_BGMD.shape
     A, Bs = lay.num_blocks, cfg.block_size
     rows = Bs if per_token else 1  # query vectors per tile
     C = max(1, _MAX_SCORES // (B * G * rows * A))
-    out = []
-    for a0 in range(0, A, C):
-        a1 = min(A, a0 + C)
+    t0, t1 = tiles or (0, A)
+    out = [qv_BGMD.new_full((B, G, t0 * rows, cfg.top_k), -1, dtype=torch.long)]
+    for a0 in range(t0, t1, C):
+        a1 = min(t1, a0 + C)
         lo = int(lay.first_BA[:, a0].min())  # the earliest document start the chunk can reach
         q_BGMD = qv_BGMD[:, :, a0 * rows:a1 * rows]
         score_BGMN = q_BGMD @ km_BGAD[:, :, lo:a1].transpose(-1, -2)
@@ -135,4 +147,5 @@ def _select(qv_BGMD: Tensor, km_BGAD: Tensor, meta: AttnMeta, cfg: AttentionConf
         base_B1MN = kept(cfg, nq_B1M1, nk_B1MN, kvis_B11N, clo, chi)
         cand_B1MN = (nk_B1MN >= 0) & (nk_B1MN < nq_B1M1) & ~base_B1MN
         out.append(_top(score_BGMN, cand_B1MN.expand_as(score_BGMN), cfg.top_k, lo, first_B1M1))
+    out.append(qv_BGMD.new_full((B, G, (A - t1) * rows, cfg.top_k), -1, dtype=torch.long))
     return torch.cat(out, 2)

@@ -48,10 +48,11 @@ class MoE(nn.Module):
             nn.init.normal_(self.shared.w_in.weight, std=std)
             nn.init.normal_(self.shared.w_out.weight, std=out_std or std)
 
-    def forward(self, x_BSD: Tensor, modality_BS: Tensor | None = None,
-                real_BS: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def forward(self, x_BSD: Tensor, modality_BS: Tensor | None = None, real_BS: Tensor | None = None,
+                row_sum=None) -> tuple[Tensor, dict[str, Tensor]]:
         """real_BS (bool): tokens to route; the others (padding) get only the shared expert and
-        stay out of the load, the balance, the z-loss and the entropy."""
+        stay out of the load, the balance, the z-loss and the entropy. `row_sum` (autograd sum
+        over the ranks that share each row, context parallelism) completes the per-row balance."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         mod_T = (modality_BS.reshape(-1).long() if modality_BS is not None
@@ -62,7 +63,7 @@ class MoE(nn.Module):
         r = self.router(x_TD, group_T)
         idx_TK = torch.where(real_T[:, None], r.idx_TK, self.cfg.n_routed)  # padding: the virtual expert
         y_TD = over_tokens(self._ffn, self.token_chunk, x_TD, idx_TK, r.w_TK)
-        aux = self.router.aux(r, group_T, mod_T, real_T, B, S)
+        aux = self.router.aux(r, group_T, mod_T, real_T, B, S, row_sum)
         return y_TD.view(B, S, D).to(x_BSD.dtype), aux
 
     def _ffn(self, x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor) -> Tensor:

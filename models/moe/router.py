@@ -54,17 +54,20 @@ def route(logits_TE: Tensor, bias_E: Tensor, allowed_TE: Tensor | None, cfg: MoE
 
 
 def seq_balance_loss(p_BSE: Tensor, chosen_BSE: Tensor, group_BS: Tensor, group_sizes: list[int],
-                     top_k: int) -> Tensor:
+                     top_k: int, row_sum=None) -> Tensor:
     """DeepSeek-V3 sequence-wise balance loss, per row and per expert group; 1.0 when balanced.
 
-    Groups are contiguous expert ranges of the given sizes (MoEConfig.group_sizes).
+    Groups are contiguous expert ranges of the given sizes (MoEConfig.group_sizes). `row_sum`
+    sums the per-row statistics over the ranks that each hold a chunk of every row.
     """
     total, start = p_BSE.new_zeros(()), 0
     for g, size in enumerate(group_sizes):
         tok_BS1 = (group_BS == g).unsqueeze(-1).to(p_BSE.dtype)
-        n_B1 = tok_BS1.sum(1)
-        f_BE = (chosen_BSE * tok_BS1).sum(1)[:, start:start + size] * size / (top_k * n_B1.clamp_min(1))
-        P_BE = (p_BSE * tok_BS1).sum(1)[:, start:start + size] / n_B1.clamp_min(1)
+        sums_B1X = torch.cat([tok_BS1.sum(1), (chosen_BSE * tok_BS1).sum(1), (p_BSE * tok_BS1).sum(1)], -1)
+        sums_B1X = sums_B1X if row_sum is None else row_sum(sums_B1X)
+        n_B1, chosen_BE, p_BE = sums_B1X.split([1, p_BSE.shape[-1], p_BSE.shape[-1]], -1)
+        f_BE = chosen_BE[:, start:start + size] * size / (top_k * n_B1.clamp_min(1))
+        P_BE = p_BE[:, start:start + size] / n_B1.clamp_min(1)
         has_B = (n_B1[:, 0] > 0).to(p_BSE.dtype)
         total = total + ((f_BE * P_BE).sum(-1) * has_B).sum() / has_B.sum().clamp_min(1)
         start += size
@@ -100,13 +103,14 @@ class Router(nn.Linear):
         idx_TK, w_TK, p_TE = route(logits_TE, self.expert_bias_E, allowed_TE, self.cfg)
         return Routing(idx_TK, w_TK, p_TE, logits_TE, allowed_TE)
 
-    def aux(self, r: Routing, group_T: Tensor, mod_T: Tensor, real_T: Tensor, B: int, S: int
-            ) -> dict[str, Tensor]:
+    def aux(self, r: Routing, group_T: Tensor, mod_T: Tensor, real_T: Tensor, B: int, S: int,
+            row_sum=None) -> dict[str, Tensor]:
         """Weighted balance and z-losses, and detached per-modality load and routing entropy."""
         cfg, E = self.cfg, self.cfg.n_routed
         chosen_TE = torch.zeros_like(r.p_TE).scatter_(-1, r.idx_TK, 1.0)
         seq = seq_balance_loss(r.p_TE.view(B, S, E), chosen_TE.view(B, S, E),
-                               torch.where(real_T, group_T, -1).view(B, S), cfg.group_sizes(), cfg.top_k)
+                               torch.where(real_T, group_T, -1).view(B, S), cfg.group_sizes(), cfg.top_k,
+                               row_sum)
         masked_TE = (r.logits_TE if r.allowed_TE is None
                      else r.logits_TE.masked_fill(~r.allowed_TE, float("-inf")))
         # Mean over token slots, padding adding 0: every data-parallel rank divides by the same

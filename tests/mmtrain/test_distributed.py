@@ -90,11 +90,38 @@ def test_four_ranks_at_any_mesh_match_one_process(raw_for, one_process_four_rows
         assert four["traffic"]["ep_all_to_all"] > 0
 
 
-@pytest.mark.parametrize("mesh", [[], ["dist.ep=2"]], ids=["fsdp", "fsdp-ep2"])
+CP = ["model.decoder.attention.full_tile=16"]  # chunks of whole tiles: seq_len % (cp x 16) == 0
+CONTEXT_MESHES = {  # (ranks, rows, overrides)
+    "cp2": (2, 2, ["dist.cp=2"]),
+    "cp4": (4, 2, ["dist.cp=4"]),
+    "cp2-token-select": (2, 2, ["dist.cp=2", "model.decoder.attention.select=token"]),
+    "fsdp2-cp2-ep2": (4, 4, ["dist.cp=2", "dist.ep=2"]),
+}
+
+
+@pytest.mark.parametrize("mesh", list(CONTEXT_MESHES))
+def test_context_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
+    """Every row split across the cp ranks (documents, images and frames straddle the chunks;
+    sparse layers select): the losses and grad norms of one process holding the whole rows."""
+    nproc, rows, overrides = CONTEXT_MESHES[mesh]
+    base = [f"data.batch_size={rows}", *CP, *(o for o in overrides if "select" in o)]
+    one_cfg = write_config(raw_for, tmp_path / "one", base)
+    launch([str(WORKER), "parity", str(one_cfg), str(tmp_path / "one.json"), "4"])
+    config = write_config(raw_for, tmp_path / "run", [*base, *overrides])
+    launch([str(WORKER), "parity", str(config), str(tmp_path / "cp.json"), "4"], nproc=nproc)
+    one, cp = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "cp"))
+    assert cp["tokens"] == one["tokens"]
+    assert cp["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=0)
+    assert cp["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5, abs=0)
+    assert cp["traffic"]["cp_kv_all_gather"] > 0 and cp["traffic"]["cp_kv_fetch"] > 0
+
+
+@pytest.mark.parametrize("mesh", [[], ["dist.ep=2"], ["dist.cp=2", *CP]], ids=["fsdp", "fsdp-ep2", "cp2"])
 def test_two_ranks_run_diagnostics_reliance_guard_and_visual_ssl(make_raw, tmp_path, mesh):
     """Diagnostics are collective under FSDP (every rank joins, sums are all-reduced): both ranks
     see the same gaps, so the reliance guard moves the weights identically on each. With expert
-    parallelism every evaluating forward joins the all-to-alls too (uneven val batches included)."""
+    parallelism every evaluating forward joins the all-to-alls too (uneven val batches included);
+    with context parallelism training forwards split the rows, evaluating ones take them whole."""
     run = tmp_path / "run"
     config = write_config(make_raw, run, [
         "train.steps=4", "train.ckpt_every=0", "diagnostics.every=2", "diagnostics.batches=1",

@@ -1,0 +1,182 @@
+"""Context parallelism: a rank holds a contiguous chunk of every row and attends its own queries.
+
+The P ranks of a context-parallel group hold the tokens [lo, hi) = [r * S / P, (r + 1) * S / P)
+of every row (all of them read the same rows, so the per-token metadata -- documents, spans,
+blocks -- is the whole row's on every rank). What crosses ranks, through `ContextComm` (the
+trainer's implementation lives in mmtrain/parallel/context_parallel.py):
+  * full layers: K and V of the whole row, all-gathered (Llama 3's way: document masks and
+    visual spans need nothing else); the rank's query tiles run the gather kernel over them;
+  * sparse layers: the per-block key sums (and, with select == "block", query sums), summed over
+    the group, give every rank the whole row's block means; each rank selects for its own query
+    tokens with exactly the single-process rule, then fetches only the K/V rows of the blocks its
+    tiles keep and it does not hold (one uneven all-to-all), so traffic follows what is kept.
+    The fetched blocks fill an aligned K/V buffer whose other slots stay zero and are never read.
+The result for a query token is the single-process one: the same keys, the same rule, the same
+picks. Tokens of a tile that belong to another rank ride along with zero queries and are dropped.
+
+Legend: B rows, H query heads, K kv heads, G selection heads, S row tokens, s = hi - lo the rank's
+tokens, D head dim, A aligned blocks, Bs block size, L = A * Bs aligned slots, Y the rank's tiles,
+P ranks of the group, n rows exchanged, F = 2 * K * D (a slot's key and value).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .blocks import sparse_lists, tile_keep
+from .config import AttentionConfig
+from .gather import _chunk_size, _kv_blocks, _run, _tiles, _untile, _wants_ckpt, attend_gather_full
+from .meta import AttnMeta
+from .select import block_means, select_aligned
+
+Tensor = torch.Tensor
+
+
+class ContextComm(Protocol):
+    """The collectives of one context-parallel group (every rank calls each in the same order)."""
+
+    rank: int
+    size: int
+
+    def gather_seq(self, x_BHsD: Tensor) -> Tensor: ...  # autograd all-gather along dim 2
+
+    def sum(self, x: Tensor) -> Tensor: ...  # autograd all-reduce (its backward sums the grads)
+
+    def sum_(self, x: Tensor) -> Tensor: ...  # in place, no autograd
+
+    def gather_flags(self, x: Tensor) -> Tensor: ...  # (P, *x.shape), no autograd
+
+    def exchange(self, x_nF: Tensor, out_P: list[int], in_P: list[int]) -> Tensor: ...  # autograd a2a
+
+
+@dataclass
+class ContextShard:
+    comm: ContextComm
+    seq_len: int  # S
+
+    @property
+    def chunk(self) -> int:
+        return -(-self.seq_len // self.comm.size)
+
+    @property
+    def lo(self) -> int:
+        return min(self.comm.rank * self.chunk, self.seq_len)
+
+    @property
+    def hi(self) -> int:
+        return min(self.lo + self.chunk, self.seq_len)
+
+    def local(self, x: Tensor, dim: int = 1) -> Tensor:
+        """This rank's chunk of a whole-row tensor."""
+        return x.narrow(dim, self.lo, self.hi - self.lo)
+
+
+def attend_context(q_BHsD: Tensor, k_BKsD: Tensor, v_BKsD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+                   sparse: bool, shard: ContextShard) -> Tensor:
+    if not sparse:
+        k_BKSD, v_BKSD = shard.comm.gather_seq(k_BKsD), shard.comm.gather_seq(v_BKsD)
+        return attend_gather_full(q_BHsD, k_BKSD, v_BKSD, meta, cfg, q_start=shard.lo)
+    return _attend_sparse(q_BHsD, k_BKsD, v_BKsD, meta, cfg, shard)
+
+
+def _to_aligned_local(x_BHsD: Tensor, slot_Bs: Tensor, L: int) -> Tensor:
+    """The rank's tokens into their aligned slots (B, H, L, D); zeros elsewhere."""
+    B, H, s, D = x_BHsD.shape
+    flat_Bs = slot_Bs + L * torch.arange(B, device=slot_Bs.device)[:, None]
+    x_nF = x_BHsD.transpose(1, 2).reshape(B * s, H * D)
+    out_nF = x_nF.new_zeros(B * L, H * D).index_copy(0, flat_Bs.reshape(-1), x_nF)
+    return out_nF.view(B, L, H, D).transpose(1, 2)
+
+
+def _tile_range(meta: AttnMeta, shard: ContextShard) -> tuple[int, int]:
+    """The aligned tiles holding the rank's real tokens (padding's outputs are never read)."""
+    ablk_Bs, real_Bs = shard.local(meta.ablk_BS), shard.local(meta.real_BS)
+    if not bool(real_Bs.any()):
+        return 0, 0
+    return int(ablk_Bs[real_Bs].min()), int(ablk_Bs[real_Bs].max()) + 1
+
+
+def _select(q_BHsD, k_BKsD, meta, cfg, shard, slot_Bs, tiles):
+    """The whole row's block means (partial sums over the group), then the rank's picks."""
+    lay = meta.aligned()
+    B, H = q_BHsD.shape[:2]
+    K, L = k_BKsD.shape[1], lay.num_slots
+    G = H if cfg.select_per == "head" else K
+    km_BKAD = shard.comm.sum_(block_means(_to_aligned_local(k_BKsD.detach(), slot_Bs, L), meta))
+    q_BGLD = _to_aligned_local(q_BHsD.detach().float(), slot_Bs, L).view(B, G, H // G, L, -1).mean(2)
+    sel = select_aligned(q_BGLD, km_BKAD.repeat_interleave(G // K, 1), meta, cfg, reduce=shard.comm.sum_,
+                         tiles=tiles)
+    mine_BL = torch.zeros(B, L, dtype=torch.bool, device=slot_Bs.device).scatter_(
+        1, slot_Bs, shard.local(meta.real_BS))
+    sel.picks_BGLk = torch.where(mine_BL[:, None, :, None], sel.picks_BGLk, -1)  # others' tokens: none
+    return sel
+
+
+def _fetch(k_BKsD: Tensor, v_BKsD: Tensor, need_BA: Tensor, meta: AttnMeta, shard: ContextShard,
+           slot_Bs: Tensor) -> tuple[Tensor, Tensor]:
+    """Aligned (B, K, L, D) keys and values holding the rank's own slots and the slots of the
+    blocks it needs, fetched from their owners; zeros elsewhere."""
+    lay, comm = meta.aligned(), shard.comm
+    B, K, s, D = k_BKsD.shape
+    L, Bs = lay.num_slots, lay.block_size
+    owner_BL = torch.where(lay.src_BL >= 0, lay.src_BL // shard.chunk, -1)
+    need_PBL = comm.gather_flags(need_BA).repeat_interleave(Bs, -1)
+    mine_BL = owner_BL == comm.rank
+    kv_nF = torch.cat([k_BKsD, v_BKsD], 1).transpose(1, 2).reshape(B * s, 2 * K * D)  # row order
+    row_B1 = s * torch.arange(B, device=k_BKsD.device)[:, None]
+    local_BL = torch.where(mine_BL, lay.src_BL - shard.lo, 0) + row_B1
+    sends, in_P, out_P, recv = [], [], [], []
+    for p in range(comm.size):
+        send_BL = mine_BL & need_PBL[p] if p != comm.rank else torch.zeros_like(mine_BL)
+        sends.append(kv_nF.index_select(0, local_BL[send_BL]))  # (b, slot) order: the receiver's too
+        recv_BL = (owner_BL == p) & need_PBL[comm.rank] if p != comm.rank else torch.zeros_like(mine_BL)
+        in_P.append(sends[-1].shape[0])
+        out_P.append(int(recv_BL.sum()))
+        recv.append(recv_BL.nonzero())
+    got_nF = comm.exchange(torch.cat(sends), out_P, in_P)
+    flat_Bs = slot_Bs + L * torch.arange(B, device=slot_Bs.device)[:, None]
+    rows_n2 = torch.cat(recv)
+    flat_n = torch.cat([flat_Bs.reshape(-1), rows_n2[:, 0] * L + rows_n2[:, 1]])
+    buf_nF = kv_nF.new_zeros(B * L, 2 * K * D).index_copy(0, flat_n, torch.cat([kv_nF, got_nF]))
+    k_BKLD, v_BKLD = buf_nF.view(B, L, 2 * K, D).transpose(1, 2).split(K, 1)
+    return k_BKLD, v_BKLD
+
+
+def _attend_sparse(q_BHsD: Tensor, k_BKsD: Tensor, v_BKsD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+                   shard: ContextShard) -> Tensor:
+    lay = meta.aligned()
+    B, H, s, D = q_BHsD.shape
+    A, Bs, L = lay.num_blocks, cfg.block_size, lay.num_slots
+    slot_Bs = shard.local(lay.slot_BS)
+    t0, t1 = _tile_range(meta, shard)
+    sel = _select(q_BHsD, k_BKsD, meta, cfg, shard, slot_Bs, (t0, t1))
+    lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
+    G, T = lists_BGAT.shape[1], lists_BGAT.shape[-1]
+    need_BA = torch.zeros(B, A + 1, dtype=torch.bool, device=q_BHsD.device).scatter_(
+        1, lists_BGAT[:, :, t0:t1].reshape(B, -1), True)[:, :A]  # the null block A: dropped
+    k_BKLD, v_BKLD = _fetch(k_BKsD, v_BKsD, need_BA, meta, shard, slot_Bs)
+    q_BHYD = _to_aligned_local(q_BHsD * (1 / math.sqrt(D)), slot_Bs, L)[:, :, t0 * Bs:t1 * Bs]
+    q_BGYMD = _tiles(q_BHYD, G, t1 - t0, Bs)
+    k_BGXbD, v_BGXbD = _kv_blocks(k_BKLD, G, Bs), _kv_blocks(v_BKLD, G, Bs)
+    doc_BXb = torch.cat([lay.doc_BL, meta.null.expand(B, Bs)], 1).view(B, A + 1, Bs)
+    skey_BXb = torch.cat([lay.skey_BL, lay.skey_BL.new_full((B, Bs), -(2**50))], 1).view(B, A + 1, Bs)
+
+    def lists(c0: int, C: int):
+        idx_BGCT = lists_BGAT[:, :, c0:c0 + C]
+        return idx_BGCT, tile_keep(meta, cfg, idx_BGCT, c0, sel.picks_BGLk)
+
+    C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
+    ckpt = _wants_ckpt(cfg, q_BGYMD, T, Bs, q_BHsD, k_BKsD, v_BKsD)
+    out_BGYMD = _run(q_BGYMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, C, ckpt, lists,
+                     cfg.gather_kernel == "sdpa", t0)
+    out_BHYD = _untile(out_BGYMD, H, Bs)  # (B, H, Y * Bs, D): the rank's tiles
+    if t1 == t0:  # padding only: zeros, still tied to q, k, v (zero gradients, as on every rank)
+        return q_BHsD * 0 + (k_BKsD.sum() + v_BKsD.sum()) * 0
+    idx_Bs = (slot_Bs - t0 * Bs).clamp(0, out_BHYD.shape[2] - 1)
+    out_BHsD = out_BHYD.gather(2, idx_Bs[:, None, :, None].expand(B, H, s, D))
+    real_B1s1 = shard.local(meta.real_BS)[:, None, :, None]
+    return torch.where(real_B1s1, out_BHsD, 0).to(q_BHsD.dtype)  # padding: never read
