@@ -144,8 +144,6 @@ class Checkpointer:
         training goes on, and a later `poll` commits them. One save at a time."""
         import torch.distributed.checkpoint as dcp
 
-        if self._pending is not None:
-            raise RuntimeError(f"step {step}: the save of step {self._pending.step} is not committed yet")
         tmp = self._begin(step)
         snapshot = self._snapshot(shared, per_rank, config_text, files)
         if not self.env.distributed:  # DCP's writer thread says it for every save of one process
@@ -178,6 +176,10 @@ class Checkpointer:
         return self._commit(pending.step, pending.tmp, pending.written.result())
 
     def _begin(self, step: int) -> Path:
+        """Collective: an empty hidden directory for the save of `step`. One save at a time: a
+        commit prunes every other `.step_*.tmp`."""
+        if self._pending is not None:
+            raise RuntimeError(f"step {step}: the save of step {self._pending.step} is not committed yet")
         tmp = self.run_dir / f".step_{step}.tmp"
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)

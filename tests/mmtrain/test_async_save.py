@@ -35,6 +35,8 @@ def test_an_async_save_is_the_staged_state_and_invisible_until_committed(tmp_pat
     per_rank["data"]["seen"].append(2)
     with pytest.raises(RuntimeError, match="save of step 1 is not committed"):
         save_async(ckpt, 2, w, shared, per_rank)
+    with pytest.raises(RuntimeError, match="save of step 1 is not committed"):
+        ckpt.save(2, {"model": {"w": w}}, shared, per_rank, "run_dir: x\n")
     assert ckpt.checkpoints() == [] and (tmp_path / ".step_1.tmp").is_dir()  # written or not: hidden
     path = ckpt.poll(wait=True)
     assert path == tmp_path / "step_1" and ckpt.checkpoints() == [path] and verify(path, DistEnv()) is None
