@@ -3,6 +3,12 @@
 #
 #   NNODES=4 MASTER_ADDR=node001 launch/multi_node.sh CONFIG [--set KEY=VALUE ...]
 #
+# The mesh (docs/DISTRIBUTED.md): HSDP with one replica per node and expert parallelism inside it
+#   NNODES=4 DP_REPLICATE=4 MASTER_ADDR=node001 launch/multi_node.sh configs/base.yaml  # EP(8): base.yaml
+# and, once context parallelism lands, rows of 1M tokens split over 32 GPUs (4 nodes each):
+#   NNODES=8 DP_REPLICATE=2 CP=32 MASTER_ADDR=node001 launch/multi_node.sh configs/long.yaml \
+#     --set data.seq_len=1048576
+#
 # Environment:
 #   NNODES          number of nodes (required)
 #   MASTER_ADDR     a host every node can reach, which runs the c10d rendezvous (required)
@@ -12,6 +18,9 @@
 #   MAX_RESTARTS    whole-job restarts after a failure (default 3; each resumes from the newest
 #                   checkpoint, so the run directory must be on a filesystem all nodes share)
 #   PYTHON          default .venv/bin/python if present, else python
+#   DP_REPLICATE, DP_SHARD, CP, EP
+#                   when set: --set dist.dp_replicate / dp_shard / cp / ep (before the arguments
+#                   after CONFIG, so an explicit --set there still wins); unset: the config's
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${1:?usage: NNODES=N MASTER_ADDR=HOST launch/multi_node.sh CONFIG [--set KEY=VALUE ...]}
@@ -20,9 +29,13 @@ shift
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$("$PYTHON" -c 'import torch; print(max(1, torch.cuda.device_count()))')}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+MESH=()
+for kv in dp_replicate="${DP_REPLICATE:-}" dp_shard="${DP_SHARD:-}" cp="${CP:-}" ep="${EP:-}"; do
+  [ -n "${kv#*=}" ] && MESH+=(--set "dist.$kv")
+done
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" \
   --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-mmtrain}}" \
   --max-restarts "${MAX_RESTARTS:-3}" \
-  -m mmtrain.train "$CONFIG" "$@"
+  -m mmtrain.train "$CONFIG" ${MESH[@]+"${MESH[@]}"} "$@"

@@ -1,0 +1,479 @@
+"""Bytes moved per step and per device: expert parallelism vs FSDP-gathered experts, and context
+parallelism's selective K/V fetch vs an all-gather of K/V.
+
+    python -m tools.bench.bench_comm                        # all three parts below (~3 min, 2 cores)
+    python -m tools.bench.bench_comm --part measure         # tiny model, 2 and 4 gloo ranks
+    python -m tools.bench.bench_comm --part compute         # the small/base meshes, by the formula
+    python -m tools.bench.bench_comm --part cp --seq 131072 1048576
+
+measure: the tiny config's model (`configs/tiny.yaml`, vocab 512, 2 rows x 256 text tokens per
+  rank, fp32 on CPU) trains one step (forward, backward, expert-gradient scaling, clipping) under
+  torchrun on gloo at several meshes, through `mmtrain.parallelize.build_model`. Every
+  all-gather, reduce-scatter, all-reduce and all-to-all call is counted (torch.distributed's
+  functions wrapped) and turned into wire bytes per rank with the ring factors below; the EP
+  all-to-all also by the trainer's own `Traffic`. The same numbers come from `formula()` on the
+  model's parameter shapes (FSDP2's per-parameter padding included) and the routed rows: the
+  two sides must agree exactly.
+compute: `formula()` at the real dims of `small`/`base` (bf16 all-gathers and activations, fp32
+  gradient reductions, the configs' per-rank batch), with the uniform-routing expectation
+  (T x top_k x (ep - 1) / ep rows leave a rank).
+cp: one synthetic row at `long`'s attention settings (selection exactly as the model runs it:
+  models/attention/select.py, blocks.sparse_lists); for each of cp contiguous chunks, the K/V
+  of the kept blocks that lie in other chunks, against the (cp - 1) / cp of the row's K/V an
+  all-gather brings. Queries and keys are random: see `cp_row`.
+
+Wire bytes per rank (ring / pairwise algorithms, n ranks in the group, N bytes the full tensor):
+all-gather and reduce-scatter (n - 1) / n x N, all-reduce 2 (n - 1) / n x N, all-to-all the rows
+sent to other ranks (a rank's own rows never leave it).
+
+Legend: T tokens per rank, K top_k, D model dim, E routed experts, P ep ranks, S row tokens,
+A aligned blocks, G kv heads, Bs block size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MEASURED_MESHES = {  # name -> (ranks, dist overrides)
+    "FSDP(2)": (2, {}), "EP(2)": (2, {"ep": 2}),
+    "FSDP(4)": (4, {}), "FSDP(4)+EP(2)": (4, {"ep": 2}), "EP(4)": (4, {"ep": 4}),
+    "HSDP(2x2)+EP(2)": (4, {"dp_replicate": 2, "ep": 2}),
+}
+TINY_ROWS, TINY_SEQ, TINY_VOCAB = 2, 256, 512
+SIDES = ("all_gather", "reduce_scatter", "all_reduce", "a2a")  # measured vs formula, each
+
+
+# ----- the formula ----------------------------------------------------------------------------
+def fsdp_units(model_cfg, ep: int) -> list[dict]:
+    """FSDP2 units as mmtrain/parallelize.py shards them: every vision block and decoder layer
+    (its routed experts are a unit of their own, of E / ep experts, when ep > 1), then the root.
+    -> [{"name", "root", "params": [(shape, is_expert)], "experts_own_unit"}]."""
+    import torch
+
+    from mmtrain.models.multimodal import MultimodalModel
+
+    with torch.device("meta"):
+        model = MultimodalModel(model_cfg)
+    units, seen = [], set()
+
+    def add(name: str, module, root: bool = False, expert_unit: bool = False) -> None:
+        params = []
+        for pname, p in module.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            expert = ".experts." in f".{name}.{pname}" or expert_unit
+            shape = list(p.shape)
+            if expert and ep > 1:
+                shape[0] //= ep
+            params.append((tuple(shape), expert))
+        units.append({"name": name, "root": root, "params": params, "experts_own_unit": expert_unit})
+
+    if ep > 1:
+        for i, moe in model.moe_layers().items():
+            add(f"decoder.layers.{i}.ffn.experts", moe.experts, expert_unit=True)
+    for blocks, prefix in ((model.vision.blocks, "vision.blocks"), (model.decoder.layers, "decoder.layers")):
+        for i, block in enumerate(blocks):
+            add(f"{prefix}.{i}", block)
+    add("root", model, root=True)
+    return units
+
+
+def padded(shape: tuple[int, ...], n: int) -> int:
+    """FSDP2 shards dim 0 in n equal chunks, padding it to a multiple of n."""
+    rest = math.prod(shape[1:])
+    return -(-shape[0] // n) * n * rest if shape else n
+
+
+def formula(model_cfg, mesh: dict, tokens: int, rows: float | None = None, param_bytes: int = 2,
+            grad_bytes: int = 4, act_bytes: int = 2, reshard_after_forward: bool = True,
+            moe_passes: int = 2, node: int = 8) -> dict[str, float]:
+    """Wire bytes per rank for one optimizer step (one micro-batch) at `mesh` = {world,
+    dp_replicate, ep} (cp 1): FSDP all-gathers (forward, and again in backward with
+    reshard_after_forward, root included), reduce-scatters and HSDP all-reduces of the gradients,
+    split into the routed experts' and the rest; and the EP all-to-all. A rank sends its rows out
+    (dispatch) and the rows it received back (combine); backward repeats both in reverse. `rows`:
+    this rank's rows out + rows in over all MoE layers; default the uniform expectation
+    2 x T x K x (ep - 1) / ep a layer. `moe_passes`: 3 when the MoE forward is recomputed.
+    "inter": the bytes of collectives whose group spans nodes of `node` ranks (ranks numbered
+    node by node, as torchrun does; mesh dims row-major, mmtrain/parallel/dims.py)."""
+    world, rep, ep = mesh["world"], mesh.get("dp_replicate", 1), mesh.get("ep", 1)
+    shard = world // rep
+    efsdp = shard // ep
+    out = {k: 0.0 for k in ("ag_expert", "ag_other", "rs_expert", "rs_other", "ar_expert", "ar_other",
+                            "a2a", "inter")}
+    # a group's span in ranks: fsdp = shard contiguous ranks, efsdp = efsdp ranks ep apart,
+    # ep = ep contiguous ranks, dp_replicate = rep ranks `shard` apart
+    spans = {"fsdp": shard, "efsdp": efsdp * ep if efsdp > 1 else 1, "ep": ep, "rep": world if rep > 1 else 1}
+    inter = {k: v > node for k, v in spans.items()}
+    for unit in fsdp_units(model_cfg, ep):
+        for shape, expert in unit["params"]:
+            on = "efsdp" if (expert and ep > 1) else "fsdp"
+            n = efsdp if on == "efsdp" else shard
+            kind = "expert" if expert else "other"
+            numel = padded(shape, n)
+            passes = 2 if reshard_after_forward else 1  # the root too: parallelize passes True explicitly
+            ag, rs = passes * numel * (n - 1) / n * param_bytes, numel * (n - 1) / n * grad_bytes
+            ar = numel / n * 2 * (rep - 1) / rep * grad_bytes
+            out[f"ag_{kind}"] += ag
+            out[f"rs_{kind}"] += rs
+            out[f"ar_{kind}"] += ar
+            out["inter"] += (ag + rs) * inter[on] + ar * inter["rep"]
+    moe = model_cfg.decoder.moe
+    n_moe = sum(model_cfg.decoder.is_moe(i) for i in range(model_cfg.decoder.n_layers))
+    if ep > 1:
+        rows = rows if rows is not None else 2 * tokens * moe.top_k * (ep - 1) / ep * n_moe
+        out["a2a"] = rows * model_cfg.decoder.dim * act_bytes * moe_passes
+        out["inter"] += out["a2a"] * inter["ep"]
+    return out
+
+
+def expert_total(b: dict[str, float]) -> float:
+    return b["ag_expert"] + b["rs_expert"] + b["ar_expert"] + b["a2a"]
+
+
+# ----- measured: a worker under torchrun --------------------------------------------------------
+def tiny_model_cfg(vocab: int = TINY_VOCAB):
+    from mmtrain.config import load_config
+    from mmtrain.run_config import RunConfig
+
+    cfg = load_config(RunConfig, REPO / "configs" / "tiny.yaml")
+    cfg.model.decoder.vocab_size = vocab
+    return cfg
+
+
+class Counter:
+    """Wraps torch.distributed's collectives; wire bytes per rank by kind (see the module doc)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.bytes, self.calls = dist, {}, {}
+        self._orig = {}
+        for name in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+                     "reduce_scatter_tensor", "all_reduce", "all_to_all_single"):
+            self._orig[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name))
+
+    def _add(self, kind: str, nbytes: float) -> None:
+        self.bytes[kind] = self.bytes.get(kind, 0.0) + nbytes
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def _wrap(self, name: str):
+        orig, dist = self._orig[name], self.dist
+
+        def call(*args, **kw):
+            group = kw.get("group")
+            n = dist.get_world_size(group)
+            if name.startswith("all_gather"):
+                out = args[0] if args else kw["output_tensor"]
+                self._add("all_gather", out.numel() * out.element_size() * (n - 1) / n)
+            elif name.startswith("reduce_scatter"):
+                inp = args[1] if len(args) > 1 else kw["input"]
+                self._add("reduce_scatter", inp.numel() * inp.element_size() * (n - 1) / n)
+            elif name == "all_reduce":
+                t = args[0] if args else kw["tensor"]
+                kind = "all_reduce" if t.numel() > 1 else "all_reduce_scalar"  # clipping's norms
+                self._add(kind, t.numel() * t.element_size() * 2 * (n - 1) / n)
+            else:
+                inp = args[1] if len(args) > 1 else kw["input"]
+                splits = args[3] if len(args) > 3 else kw.get("input_split_sizes")
+                row = inp[:1].numel() * inp.element_size() if inp.shape[0] else 0
+                me = dist.get_rank(group)
+                rows = (sum(splits) - splits[me]) if splits else inp.shape[0] * (n - 1) / n
+                kind = "a2a_counts" if not inp.is_floating_point() else "a2a_rows"
+                self._add(kind, rows * row)
+            return orig(*args, **kw)
+
+        return call
+
+
+class RowCounter:
+    """Wraps an AllToAllDispatcher: per ep rank, the rows this rank's forwards route to its
+    experts (padding is routed nowhere)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.to_P = inner, [0] * inner.P
+
+    def __call__(self, experts, x_TD, idx_TK, w_TK):
+        owner = idx_TK[idx_TK < self.inner.E] // self.inner.L
+        for p, n in enumerate(owner.bincount(minlength=self.inner.P).tolist()):
+            self.to_P[p] += n
+        return self.inner(experts, x_TD, idx_TK, w_TK)
+
+
+def worker(mesh: dict, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from mmtrain.distributed import init_distributed
+    from mmtrain.parallel.dims import ParallelDims
+    from mmtrain.parallel.expert_parallel import Traffic
+    from mmtrain.parallelize import build_model, clip_grad_norm, scale_expert_grads
+
+    torch.set_num_threads(1)
+    cfg = tiny_model_cfg()
+    for key, value in mesh.items():
+        setattr(cfg.dist, key, value)
+    env = init_distributed(cfg.dist, "cpu")
+    dims = ParallelDims.from_config(cfg.dist, env.world_size, env.rank)
+    traffic = Traffic()
+    counter = Counter()
+    model, fwd = build_model(cfg, env, torch.device("cpu"), dims, traffic)
+    counters = []
+    for moe in model.moe_layers().values():
+        if hasattr(moe.dispatcher, "group"):
+            moe.dispatcher = RowCounter(moe.dispatcher)
+            counters.append(moe.dispatcher)
+    counter.bytes, counter.calls = {}, {}  # the step only, not the setup
+    gen = torch.Generator().manual_seed(1000 + env.rank)
+    B, S = TINY_ROWS, TINY_SEQ
+    tokens = torch.randint(3, TINY_VOCAB, (B, S), generator=gen)
+    doc = (torch.arange(S) // 64).expand(B, S).clone()
+    doc[:, -16:] = -1  # padding: routed nowhere, never sent
+    batch = dict(tokens_BS=tokens, pos_ids_3BS=(torch.arange(S) % 64).expand(3, B, S).contiguous(),
+                 doc_ids_BS=doc, span_ids_BS=torch.full((B, S), -1),
+                 modality_BS=torch.zeros(B, S, dtype=torch.long),
+                 patches_NP=torch.zeros(0, cfg.model.vision.patch_dim),  # no media: a blank frame
+                 grid_thw_M3=torch.zeros(0, 3, dtype=torch.long))
+    o = fwd(**batch)
+    loss = torch.nn.functional.cross_entropy(o.logits_BSV.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+    (loss + sum(o.aux_losses.values())).backward()
+    scale_expert_grads(model, dims)
+    clip_grad_norm(model, 1.0)
+    real = int((doc >= 0).sum())
+    result = {"bytes": counter.bytes, "calls": counter.calls, "traffic": traffic.sent,
+              "rows_to": [sum(c.to_P[p] for c in counters) for p in range(dims.ep)],
+              "ep_rank": counters[0].inner.me if counters else 0, "real_tokens": real}
+    gathered = [None] * env.world_size
+    dist.all_gather_object(gathered, result)
+    if env.rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(name: str, nproc: int, mesh: dict, timeout: float = 300) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--monitor-interval=0.2", "-m", "tools.bench.bench_comm", "--_worker", json.dumps(mesh),
+               str(out)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name}: the {nproc}-rank worker failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def compare(name: str, nproc: int, mesh: dict, ranks: list[dict]) -> dict:
+    """Measured (rank 0 and the mean over ranks) against the formula at the routed rows."""
+    cfg = tiny_model_cfg()
+    full = {"world": nproc, **mesh}
+    r0 = ranks[0]
+    me, group = r0["ep_rank"], mesh.get("ep", 1)
+    peers = ranks[1:group]  # rank 0's ep group: world ranks 0 .. ep - 1 (ep is the innermost dim)
+    rows = (sum(r0["rows_to"]) - r0["rows_to"][me]) + sum(r["rows_to"][me] for r in peers)  # out + in
+    f = formula(cfg.model, full, r0["real_tokens"], rows=rows, param_bytes=4, grad_bytes=4, act_bytes=4)
+    f_uniform = formula(cfg.model, full, r0["real_tokens"], param_bytes=4, grad_bytes=4, act_bytes=4)
+    got = r0["bytes"]
+    return {"mesh": name, "ranks": nproc,
+            "all_gather": (got.get("all_gather", 0.0), f["ag_expert"] + f["ag_other"]),
+            "reduce_scatter": (got.get("reduce_scatter", 0.0), f["rs_expert"] + f["rs_other"]),
+            "all_reduce": (got.get("all_reduce", 0.0), f["ar_expert"] + f["ar_other"]),
+            "a2a": (r0["traffic"].get("ep_all_to_all", 0.0), f["a2a"]),
+            "a2a_counted": got.get("a2a_rows", 0.0),
+            "expert_formula": expert_total(f), "expert_uniform": expert_total(f_uniform),
+            "a2a_uniform": f_uniform["a2a"], "f": f}
+
+
+def part_measure(meshes: list[str]) -> list[dict]:
+    rows = []
+    for name in meshes:
+        nproc, mesh = MEASURED_MESHES[name]
+        rows.append(compare(name, nproc, mesh, measure(name, nproc, mesh)))
+    print("\n### Measured: the tiny model, one step, gloo (rank 0's wire bytes; formula in brackets)\n")
+    print("| mesh | all-gather KiB | reduce-scatter KiB | HSDP all-reduce KiB | EP all-to-all KiB "
+          "| experts' share, formula KiB | sides agree |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ok = all(abs(r[k][0] - r[k][1]) <= 1e-6 * max(1.0, r[k][1]) for k in SIDES)
+        ok = ok and abs(r["a2a_counted"] - r["a2a"][0]) <= 1e-6 * max(1.0, r["a2a"][0])
+        cells = [f"{r[k][0] / 1024:.1f} ({r[k][1] / 1024:.1f})" for k in SIDES[:3]]
+        a2a, uni = r["a2a"], r["a2a_uniform"]
+        cells.append(f"{a2a[0] / 1024:.1f} ({a2a[1] / 1024:.1f}; uniform {uni / 1024:.1f})")
+        cells += [f"{r['expert_formula'] / 1024:.1f}", "yes" if ok else "NO"]
+        print(f"| {r['mesh']} | {' | '.join(cells)} |")
+        r["agree"] = ok
+    return rows
+
+
+# ----- computed at the real dims ---------------------------------------------------------------
+COMPUTED = {  # config -> [(mesh name, mesh)]
+    "small": [("FSDP(8)", {"world": 8}), ("FSDP(8)+EP(8)", {"world": 8, "ep": 8})],
+    "base": [("FSDP(8)", {"world": 8}), ("FSDP(8)+EP(8)", {"world": 8, "ep": 8}),
+             ("FSDP(32)", {"world": 32}), ("FSDP(32)+EP(8)", {"world": 32, "ep": 8}),
+             ("HSDP(4x8)", {"world": 32, "dp_replicate": 4}),
+             ("HSDP(4x8)+EP(8)", {"world": 32, "dp_replicate": 4, "ep": 8})],
+}
+
+
+def real_cfg(name: str):
+    from mmtrain.config import load_config
+    from mmtrain.run_config import RunConfig
+
+    cfg = load_config(RunConfig, REPO / "configs" / f"{name}.yaml")
+    cfg.model.decoder.vocab_size = cfg.model.decoder.vocab_size or 32768
+    return cfg
+
+
+def part_compute() -> None:
+    print("\n### Computed: the real dims (bf16 gathers and activations, fp32 gradient reductions)\n")
+    print("| config | mesh | tokens/rank | experts: all-gather GB | reduce-scatter GB | HSDP all-reduce GB "
+          "| EP all-to-all GB | experts total GB | rest of the model GB | experts vs no EP "
+          "| all of it across nodes GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    notes = []
+    for name, meshes in COMPUTED.items():
+        cfg = real_cfg(name)
+        T = cfg.data.seq_len * cfg.data.batch_size
+        ref = {}
+        for mesh_name, mesh in meshes:
+            b = formula(cfg.model, mesh, T)
+            key = (mesh["world"], mesh.get("dp_replicate", 1))
+            ref.setdefault(key, expert_total(b))
+            other = b["ag_other"] + b["rs_other"] + b["ar_other"]
+            print(f"| {name} | {mesh_name} | {T} | {b['ag_expert'] / 1e9:.2f} | {b['rs_expert'] / 1e9:.2f} | "
+                  f"{b['ar_expert'] / 1e9:.2f} | {b['a2a'] / 1e9:.2f} | {expert_total(b) / 1e9:.2f} | "
+                  f"{other / 1e9:.2f} | {expert_total(b) / ref[key]:.2f}x | {b['inter'] / 1e9:.2f} |")
+        moe, D = cfg.model.decoder.moe, cfg.model.decoder.dim
+        per_layer = 3 * moe.n_routed * D * moe.expert_dim
+        # FSDP(n) of one layer's experts: 2 x AG (bf16) + RS (fp32) = 8 (n-1)/n bytes a parameter;
+        # EP(P): T K (P-1)/P rows x D x 2 bytes x 2 directions x 2 passes.
+        for n, P in ((8, 8),):
+            cross = 8 * (n - 1) / n * per_layer / (moe.top_k * (P - 1) / P * D * 2 * 2 * 2)
+            ratio = (moe.top_k * (P - 1) / P * D * 8 * T) / (8 * (n - 1) / n * per_layer)
+            notes.append(f"{name}: EP({P}) moves fewer bytes than FSDP({n})-gathered experts below "
+                         f"{cross:,.0f} tokens per rank per step (computed; at {T}: {ratio:.2f}x the bytes)")
+    print("\n" + "\n".join(notes))
+
+
+# ----- context parallelism: the selective fetch ------------------------------------------------
+def cp_row(S: int, doc_len: int, image_every: int, image_tokens: int, heads: int, head_dim: int, seed: int,
+           queries: str = "random"):
+    """One row: documents of doc_len tokens (0: one), a visual span of image_tokens every
+    image_every tokens (0: text only), iid normal keys and queries for `heads` selection heads
+    (the group-mean query of each kv group is what select_blocks scores with). `queries`:
+    "random", iid per token, so a query block's picks are uniform over its candidates (the widest
+    union a chunk can need); "shared", one query vector for every token, so every query block
+    ranks the blocks alike (picks shared across the chunk: the narrowest). With iid keys neither
+    depends on the head dim, so head_dim may be scaled down."""
+    import torch
+
+    pos = torch.arange(S)
+    doc = pos // doc_len if doc_len else torch.zeros(S, dtype=torch.long)
+    span = torch.full((S,), -1)
+    if image_every:
+        for i, start in enumerate(range(image_every // 2, S - image_tokens, image_every)):
+            span[start:start + image_tokens] = i
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, heads, S, head_dim, generator=gen)
+    q = (torch.randn(1, heads, S, head_dim, generator=gen) if queries == "random"
+         else torch.randn(1, heads, 1, head_dim, generator=gen).expand(1, heads, S, head_dim))
+    return doc[None], span[None], q, k
+
+
+def cp_fetch(S: int, cps: list[int], attn_cfg, kv_heads: int, real_head_dim: int, head_dim: int,
+             doc_len: int = 0, image_every: int = 0, image_tokens: int = 1024, seed: int = 0,
+             queries: str = "random") -> dict:
+    """Per cp: tokens x kv heads of K/V each chunk must fetch (kept blocks' tokens in other
+    chunks) and the all-gather's; bytes at bf16 K and V of `real_head_dim`."""
+    import torch
+
+    from mmtrain.models.attention.blocks import sparse_lists
+    from mmtrain.models.attention.meta import build_meta
+    from mmtrain.models.attention.select import select_blocks
+
+    doc_BS, span_BS, q, k = cp_row(S, doc_len, image_every, image_tokens, kv_heads, head_dim, seed, queries)
+    meta = build_meta(doc_BS, span_BS, attn_cfg.block_size)
+    sel = select_blocks(q, k, meta, attn_cfg)
+    del q, k
+    lists_GAT = sparse_lists(meta, attn_cfg, sel.picks_BGLk, sel.block_picks_BGAk)[0]
+    lay = meta.aligned()
+    A, Bs = lay.num_blocks, attn_cfg.block_size
+    G = lists_GAT.shape[0]
+    src_AB = lay.src_BL[0].view(A, Bs)
+    per_token_head = 2 * real_head_dim * 2  # K and V, bf16
+    out = {"S": S, "A": A, "cp": {}}
+    for cp in cps:
+        chunk = S // cp
+        owner_AB = torch.where(src_AB >= 0, src_AB // chunk, -1)
+        fetch = []
+        for c in range(cp):
+            tiles_A = (owner_AB == c).any(1)  # tiles with a query token of chunk c
+            need_GX = torch.zeros(G, A + 1, dtype=torch.bool)
+            need_GX.scatter_(1, lists_GAT[:, tiles_A].reshape(G, -1), True)
+            remote_A = ((owner_AB >= 0) & (owner_AB != c)).sum(1)  # the block's tokens elsewhere
+            fetch.append(int((need_GX[:, :A].long() * remote_A).sum()))  # token x kv-head pairs
+        gather = (cp - 1) * chunk * G
+        out["cp"][cp] = {"fetch_max": max(fetch) * per_token_head, "gather": gather * per_token_head,
+                         "fetch_mean": sum(fetch) / cp * per_token_head,
+                         "key_sums_all_reduce": A * G * real_head_dim * 4 * 2 * (cp - 1) / cp}
+    return out
+
+
+def part_cp(seqs: list[int], cps: list[int], rows: list[tuple[str, int, int]], head_dim: int) -> None:
+    cfg = real_cfg("long")
+    attn, dec = cfg.model.decoder.attention, cfg.model.decoder
+    real_hd = dec.dim // dec.n_heads
+    print(f"\n### CP, one sparse layer of `long` (block {attn.block_size}, window {attn.window}, "
+          f"top_k {attn.top_k}, sink, visual_always {attn.visual_always}, select {attn.select}); "
+          f"{dec.n_kv_heads} kv heads x {real_hd}, bf16 K/V; random q/k of head dim {head_dim}\n")
+    print("| S | row | queries | cp | all-gather MiB/rank | selective fetch MiB/rank: mean, max "
+          "| fetch vs all-gather (max rank) | key-sum all-reduce MiB/rank |")
+    print("|---|---|---|---|---|---|---|---|")
+    for S in seqs:
+        for row, doc_len, image_every in rows:
+            for queries in ("random", "shared"):
+                r = cp_fetch(S, [c for c in cps if S % c == 0], attn, dec.n_kv_heads, real_hd, head_dim,
+                             doc_len, image_every, queries=queries)
+                for cp, v in r["cp"].items():
+                    mib = {k: x / 2**20 for k, x in v.items()}
+                    print(f"| {S} | {row} | {queries} | {cp} | {mib['gather']:.0f} | "
+                          f"{mib['fetch_mean']:.0f}, {mib['fetch_max']:.0f} | "
+                          f"{v['fetch_max'] / v['gather']:.2f} | {mib['key_sums_all_reduce']:.1f} |",
+                          flush=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["all", "measure", "compute", "cp"], default="all")
+    p.add_argument("--meshes", nargs="+", default=list(MEASURED_MESHES), choices=list(MEASURED_MESHES))
+    p.add_argument("--seq", type=int, nargs="+", default=[65536, 131072, 1048576])
+    p.add_argument("--cp", type=int, nargs="+", default=[2, 8, 32])
+    p.add_argument("--cp-head-dim", type=int, default=32,
+                   help="head dim of the random q/k (picks do not depend on it; the bytes use the real one)")
+    p.add_argument("--_worker", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._worker:
+        return worker(json.loads(args._worker[0]), args._worker[1])
+    if args.part in ("all", "measure"):
+        part_measure(args.meshes)
+    if args.part in ("all", "compute"):
+        part_compute()
+    if args.part in ("all", "cp"):
+        rows = [("one text document", 0, 0), ("text documents of 20k", 20000, 0),
+                ("one document, a 1024-token image every 16k", 0, 16384)]
+        part_cp(args.seq, args.cp, rows, args.cp_head_dim)
+
+
+if __name__ == "__main__":
+    main()
