@@ -57,8 +57,8 @@ from mmtrain.distributed import DistEnv
 from mmtrain.errors import UserError
 
 FORMAT = 3  # 2: train counters and histories flat in state.pt; 1: everything in one state.pt
-SHARED_META = ("format", "world_size", "config")  # state.pt keys that are not parts
-RANK_META = ("rank",)
+SHARED_META = ("format", "world_size", "dp_size", "config")  # state.pt keys that are not parts
+RANK_META = ("rank", "dp_rank")
 OPTIONAL_PREFIX = "callback."  # parts that come and go with the user's code
 
 
@@ -151,6 +151,9 @@ class Parts:
     sharded: dict[str, Stateful]
     replicated: dict[str, Stateful]
     per_rank: dict[str, Stateful]
+    # (data-parallel rank, data-parallel size) of this rank: whose rows it reads. Under context
+    # parallelism the ranks of a cp group share one; None: (rank, world size).
+    data_rank: tuple[int, int] | None = None
 
     def __post_init__(self):
         clash = (set(self.replicated) & set(SHARED_META)) | (set(self.per_rank) & set(RANK_META))
@@ -165,9 +168,11 @@ def save_checkpoint(checkpointer: Checkpointer, parts: Parts, step: int, config:
     """Collective. DCP calls the sharded parts' state_dict itself (they are Stateful). `background`:
     staged now, written while training goes on, committed by `checkpointer.poll` (-> None)."""
     env = checkpointer.env
-    shared = {"format": FORMAT, "world_size": env.world_size, "config": config,
+    dp_rank, dp_size = parts.data_rank or (env.rank, env.world_size)
+    shared = {"format": FORMAT, "world_size": env.world_size, "dp_size": dp_size, "config": config,
               **{name: part.state_dict() for name, part in parts.replicated.items()}}
-    own = {"rank": env.rank, **{name: part.state_dict() for name, part in parts.per_rank.items()}}
+    own = {"rank": env.rank, "dp_rank": dp_rank,
+           **{name: part.state_dict() for name, part in parts.per_rank.items()}}
     save = checkpointer.save_async if background else checkpointer.save
     return save(step, dict(parts.sharded), shared, own, config_text, files, before_commit)
 
@@ -184,7 +189,8 @@ def load_checkpoint(path: Path, parts: Parts, env: DistEnv) -> str | None:
     shared = from_format_2(shared) if fmt == 2 else shared
     _load_sharded(path, parts.sharded, env)
     notes = load_parts(path, parts.replicated, shared, SHARED_META)
-    notes += _load_per_rank(path, parts.per_rank, shared["world_size"], env)
+    saved = (shared["world_size"], shared.get("dp_size", shared["world_size"]))
+    notes += _load_per_rank(path, parts.per_rank, saved, parts.data_rank or (env.rank, env.world_size), env)
     return "; ".join(notes) or None
 
 
@@ -210,8 +216,11 @@ def _load_sharded(path: Path, parts: dict[str, Stateful], env: DistEnv) -> None:
         dcp.load(dict(parts), checkpoint_id=path / DCP_DIR, no_dist=not env.distributed)
 
 
-def _load_per_rank(path: Path, parts: dict[str, Stateful], saved_world: int, env: DistEnv) -> list[str]:
-    if saved_world == env.world_size:
+def _load_per_rank(path: Path, parts: dict[str, Stateful], saved: tuple[int, int], data_rank: tuple[int, int],
+                   env: DistEnv) -> list[str]:
+    """`saved`, `data_rank`: (world size, data-parallel size) saved, (dp rank, dp size) now."""
+    (saved_world, saved_dp), (dp_rank, dp_size) = saved, data_rank
+    if saved_world == env.world_size and saved_dp == dp_size:  # the same ranks read the same rows
         own = load_rank_state(path, env.rank)
         if own is None:
             raise UserError(f"{path}: no data state for rank {env.rank}")
@@ -219,13 +228,25 @@ def _load_per_rank(path: Path, parts: dict[str, Stateful], saved_world: int, env
     ranks = [load_rank_state(path, r) for r in range(saved_world)]
     if any(r is None for r in ranks):
         raise UserError(f"{path}: data state of some of its {saved_world} ranks is missing")
+    slots: dict[int, dict] = {}  # one state per saved data-parallel slot (a cp group's ranks: one)
+    for r in ranks:
+        slots.setdefault(r.get("dp_rank", r["rank"]), r)
+    by_slot = [slots[k] for k in sorted(slots)]
     for name, part in parts.items():
-        states = [r[name] for r in ranks if name in r]
-        if hasattr(part, "load_resharded"):
-            part.load_resharded(states, env.rank)
-        elif env.rank < len(states):
-            part.load_state_dict(states[env.rank])
+        if hasattr(part, "load_resharded"):  # the data position
+            if saved_dp == dp_size:
+                part.load_state_dict(by_slot[dp_rank][name])
+            else:
+                part.load_resharded([r[name] for r in by_slot if name in r], dp_rank)
+        elif env.rank < len(ranks) and name in ranks[env.rank]:
+            part.load_state_dict(ranks[env.rank][name])
+    if saved_dp == dp_size:
+        return [f"world size changed {saved_world} -> {env.world_size} with the same {dp_size} data-parallel "
+                "slots: the data position resumes exactly"]
     return [f"world size changed {saved_world} -> {env.world_size}: exact data resume is impossible; "
+            "every source restarts at its next epoch (model, optimizer and counters resume exactly)"
+            if saved_world != env.world_size else
+            f"data-parallel size changed {saved_dp} -> {dp_size}: exact data resume is impossible; "
             "every source restarts at its next epoch (model, optimizer and counters resume exactly)"]
 
 

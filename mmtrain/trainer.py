@@ -153,6 +153,7 @@ class Trainer:
                         **self.callbacks.parts(per_rank=False)},
             per_rank={"data": LoaderPart(lambda: self.train_loader), "rng": RNGPart(),
                       **self.callbacks.parts(per_rank=True)},
+            data_rank=(self.dims.dp_rank, self.dims.dp_size),
         )
 
     def use_train_data(self, data: DataConfig) -> None:

@@ -5,11 +5,14 @@ at another continues with the losses of the uninterrupted run.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import yaml
 from dist_runs import HERE as WORKER
-from dist_runs import checkpoint_names, launch, losses, train, write_config
+from dist_runs import checkpoint_names, launch, losses, step_records, train, write_config
 
 pytestmark = pytest.mark.distributed
 EP2 = ["dist.ep=2"]
@@ -72,3 +75,30 @@ def test_killed_at_one_mesh_resumed_at_another_continues_the_run(ep2_reference, 
     assert f"resumed from {run / 'step_4'} at step 4" in (run / "train.log").read_text()
     assert losses(run) == pytest.approx(losses(ref), rel=1e-5, abs=0)
     assert losses(run)[:4] == losses(ref)[:4]  # the steps before the kill ran at the same mesh
+
+
+def test_mmtrain_train_under_torchrun_takes_the_mesh_keys(raw_for, tmp_path):
+    """As a user runs it: torchrun starting the `mmtrain` console script, the mesh set on the
+    command line (2 ranks: cp=2, the experts split over the same 2)."""
+    run = tmp_path / "run"
+    config = write_config(raw_for, run, ["train.steps=3", "model.decoder.attention.full_tile=16"])
+    mmtrain = str(Path(sys.executable).parent / "mmtrain")
+    mesh = ["--set", "dist.cp=2", "--set", "dist.ep=2"]
+    launch(["--no-python", mmtrain, "train", str(config), "--quiet", *mesh], nproc=2)
+    log = (run / "train.log").read_text()
+    assert "mesh dp_replicate=1 dp_shard=1 cp=2 ep=2 (world 2)" in log
+    assert sorted(step_records(run)) == [1, 2, 3]
+
+
+def test_killed_under_context_parallelism_resumed_without_it_continues_the_run(raw_for, tmp_path):
+    """FSDP(2) x CP(2) on 4 ranks, killed after step 5, resumed as FSDP(2) on 2 ranks: the same two
+    data-parallel slots read on, so the losses are the uninterrupted run's."""
+    cp = ["data.batch_size=1", "model.decoder.attention.full_tile=16", "dist.cp=2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train(write_config(raw_for, ref, cp), 4)
+    config = write_config(raw_for, run, cp)
+    assert train(config, 4, "train.faults.kill_at_step=5", check=False).returncode != 0
+    train(config, 2, "dist.cp=1")
+    log = (run / "train.log").read_text()
+    assert "the same 2 data-parallel slots: the data position resumes exactly" in log
+    assert losses(run) == pytest.approx(losses(ref), rel=1e-5, abs=0)
