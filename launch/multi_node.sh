@@ -5,7 +5,7 @@
 #
 # The mesh (docs/DISTRIBUTED.md): HSDP with one replica per node and expert parallelism inside it
 #   NNODES=4 DP_REPLICATE=4 MASTER_ADDR=node001 launch/multi_node.sh configs/base.yaml  # EP(8): base.yaml
-# and, once context parallelism lands, rows of 1M tokens split over 32 GPUs (4 nodes each):
+# and context parallelism: rows of 1M tokens split over 32 GPUs (4 nodes each):
 #   NNODES=8 DP_REPLICATE=2 CP=32 MASTER_ADDR=node001 launch/multi_node.sh configs/long.yaml \
 #     --set data.seq_len=1048576
 #

@@ -227,6 +227,7 @@ def worker(mesh: dict, out: str) -> None:
     dims = ParallelDims.from_config(cfg.dist, env.world_size, env.rank)
     traffic = Traffic()
     counter = Counter()
+    torch.manual_seed(cfg.train.seed)  # every rank builds the same model (as the trainer does)
     model, fwd = build_model(cfg, env, torch.device("cpu"), dims, traffic)
     counters = []
     for moe in model.moe_layers().values():
@@ -394,8 +395,10 @@ def cp_row(S: int, doc_len: int, image_every: int, image_tokens: int, heads: int
 def cp_fetch(S: int, cps: list[int], attn_cfg, kv_heads: int, real_head_dim: int, head_dim: int,
              doc_len: int = 0, image_every: int = 0, image_tokens: int = 1024, seed: int = 0,
              queries: str = "random") -> dict:
-    """Per cp: tokens x kv heads of K/V each chunk must fetch (kept blocks' tokens in other
-    chunks) and the all-gather's; bytes at bf16 K and V of `real_head_dim`."""
+    """Per cp: the K/V bytes each chunk fetches (the tokens, in other chunks, of the blocks its
+    tiles keep for any selection head, with every kv head: as models/attention/context.py does;
+    `per_head_max`: were each kv head to fetch only its own blocks) and an all-gather's; bf16 K
+    and V of `real_head_dim`."""
     import torch
 
     from mmtrain.models.attention.blocks import sparse_lists
@@ -416,16 +419,19 @@ def cp_fetch(S: int, cps: list[int], attn_cfg, kv_heads: int, real_head_dim: int
     for cp in cps:
         chunk = S // cp
         owner_AB = torch.where(src_AB >= 0, src_AB // chunk, -1)
-        fetch = []
+        fetch, per_head = [], []
         for c in range(cp):
             tiles_A = (owner_AB == c).any(1)  # tiles with a query token of chunk c
             need_GX = torch.zeros(G, A + 1, dtype=torch.bool)
             need_GX.scatter_(1, lists_GAT[:, tiles_A].reshape(G, -1), True)
             remote_A = ((owner_AB >= 0) & (owner_AB != c)).sum(1)  # the block's tokens elsewhere
-            fetch.append(int((need_GX[:, :A].long() * remote_A).sum()))  # token x kv-head pairs
+            # as models/attention/context.py fetches: the blocks any head keeps, with all K heads
+            fetch.append(int((need_GX[:, :A].any(0).long() * remote_A).sum()) * G)
+            per_head.append(int((need_GX[:, :A].long() * remote_A).sum()))  # each head its own blocks
         gather = (cp - 1) * chunk * G
         out["cp"][cp] = {"fetch_max": max(fetch) * per_token_head, "gather": gather * per_token_head,
                          "fetch_mean": sum(fetch) / cp * per_token_head,
+                         "per_head_max": max(per_head) * per_token_head,
                          "key_sums_all_reduce": A * G * real_head_dim * 4 * 2 * (cp - 1) / cp}
     return out
 
@@ -438,8 +444,8 @@ def part_cp(seqs: list[int], cps: list[int], rows: list[tuple[str, int, int]], h
           f"top_k {attn.top_k}, sink, visual_always {attn.visual_always}, select {attn.select}); "
           f"{dec.n_kv_heads} kv heads x {real_hd}, bf16 K/V; random q/k of head dim {head_dim}\n")
     print("| S | row | queries | cp | all-gather MiB/rank | selective fetch MiB/rank: mean, max "
-          "| fetch vs all-gather (max rank) | key-sum all-reduce MiB/rank |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| fetch vs all-gather (max rank) | per-head fetch, max | key-sum all-reduce MiB/rank |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for S in seqs:
         for row, doc_len, image_every in rows:
             for queries in ("random", "shared"):
@@ -449,7 +455,8 @@ def part_cp(seqs: list[int], cps: list[int], rows: list[tuple[str, int, int]], h
                     mib = {k: x / 2**20 for k, x in v.items()}
                     print(f"| {S} | {row} | {queries} | {cp} | {mib['gather']:.0f} | "
                           f"{mib['fetch_mean']:.0f}, {mib['fetch_max']:.0f} | "
-                          f"{v['fetch_max'] / v['gather']:.2f} | {mib['key_sums_all_reduce']:.1f} |",
+                          f"{v['fetch_max'] / v['gather']:.2f} | {mib['per_head_max']:.0f} | "
+                          f"{mib['key_sums_all_reduce']:.1f} |",
                           flush=True)
 
 
