@@ -31,7 +31,7 @@ from .blocks import sparse_lists, tile_keep
 from .config import AttentionConfig
 from .gather import _chunk_size, _kv_blocks, _run, _tiles, _untile, _wants_ckpt, attend_gather_full
 from .meta import AttnMeta
-from .select import block_means, select_aligned
+from .select import select_aligned
 
 Tensor = torch.Tensor
 
@@ -100,16 +100,33 @@ def _tile_range(meta: AttnMeta, shard: ContextShard) -> tuple[int, int]:
     return int(ablk_Bs[real_Bs].min()), int(ablk_Bs[real_Bs].max()) + 1
 
 
+def _partial_means(x_BHsD: Tensor, meta: AttnMeta, shard: ContextShard) -> Tensor:
+    """(B, H, A, D) fp32: the rank's share of every aligned block's mean (summed over the group:
+    the means), straight from its tokens (nothing of size L)."""
+    lay = meta.aligned()
+    B, H, s, D = x_BHsD.shape
+    A = lay.num_blocks
+    rows_BH1 = torch.arange(B * H, device=x_BHsD.device).view(B, H, 1)
+    flat_BHs = rows_BH1 * A + shard.local(meta.ablk_BS)[:, None, :]  # (b, h, block) of each token
+    sum_nD = x_BHsD.new_zeros(B * H * A, D, dtype=torch.float32).index_add_(
+        0, flat_BHs.reshape(-1), x_BHsD.detach().float().reshape(-1, D))
+    return sum_nD.view(B, H, A, D) / lay.count_BA.clamp_min(1)[:, None, :, None]
+
+
 def _select(q_BHsD, k_BKsD, meta, cfg, shard, slot_Bs, tiles):
     """The whole row's block means (partial sums over the group), then the rank's picks."""
     lay = meta.aligned()
     B, H = q_BHsD.shape[:2]
     K, L = k_BKsD.shape[1], lay.num_slots
     G = H if cfg.select_per == "head" else K
-    km_BKAD = shard.comm.sum_(block_means(_to_aligned_local(k_BKsD.detach(), slot_Bs, L), meta))
-    q_BGLD = _to_aligned_local(q_BHsD.detach().float(), slot_Bs, L).view(B, G, H // G, L, -1).mean(2)
-    sel = select_aligned(q_BGLD, km_BKAD.repeat_interleave(G // K, 1), meta, cfg, reduce=shard.comm.sum_,
-                         tiles=tiles)
+    km_BKAD = shard.comm.sum_(_partial_means(k_BKsD, meta, shard))
+    q_BGsD = q_BHsD.detach().float().view(B, G, H // G, -1, q_BHsD.shape[-1]).mean(2)
+    if cfg.select == "block":  # per block: the previous block's mean query, summed over the group
+        qm_BGAD = shard.comm.sum_(_partial_means(q_BGsD, meta, shard))
+        sel = select_aligned(None, km_BKAD.repeat_interleave(G // K, 1), meta, cfg, query_means=qm_BGAD)
+    else:
+        sel = select_aligned(_to_aligned_local(q_BGsD, slot_Bs, L), km_BKAD.repeat_interleave(G // K, 1),
+                             meta, cfg, tiles=tiles)
     mine_BL = torch.zeros(B, L, dtype=torch.bool, device=slot_Bs.device).scatter_(
         1, slot_Bs, shard.local(meta.real_BS))
     sel.picks_BGLk = torch.where(mine_BL[:, None, :, None], sel.picks_BGLk, -1)  # others' tokens: none

@@ -102,16 +102,16 @@ def select_blocks(q_BHSD: Tensor, k_BKSD: Tensor, meta: AttnMeta, cfg: Attention
     return select_aligned(_query_vectors(q_BHSD, meta, G), km_BGAD, meta, cfg)
 
 
-def select_aligned(q_BGLD: Tensor, km_BGAD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
-                   reduce=None, tiles: tuple[int, int] | None = None) -> Selection:
+def select_aligned(q_BGLD: Tensor | None, km_BGAD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+                   tiles: tuple[int, int] | None = None, query_means: Tensor | None = None) -> Selection:
     """The picks from the selection heads' queries per aligned slot and the key-block means.
 
-    For a context-parallel rank (attention/context.py): `reduce` sums its partial block means of
-    the queries over the group, and only the tiles t0 .. t1 are scored per token (others: -1)."""
+    For a context-parallel rank (attention/context.py): with select == "block" it gives the
+    whole row's `query_means` (B, G, A, D) instead of the queries; per token only the tiles
+    t0 .. t1 are scored (the others: -1)."""
     Bs = cfg.block_size
     if cfg.select == "block":
-        qm_BGAD = block_means(q_BGLD, meta)
-        qm_BGAD = qm_BGAD if reduce is None else reduce(qm_BGAD)
+        qm_BGAD = block_means(q_BGLD, meta) if query_means is None else query_means
         prev_BGAD = torch.nn.functional.pad(qm_BGAD[:, :, :-1], (0, 0, 1, 0))  # block a - 1
         bp_BGAk = _select(prev_BGAD, km_BGAD, meta, cfg, per_token=False)
         return Selection(bp_BGAk.repeat_interleave(Bs, 2), bp_BGAk)
