@@ -1,13 +1,14 @@
-"""tools/bench/bench_comm.py: its measured side (collectives counted on 2 gloo ranks) equals its
-formula on the tiny model, for FSDP-gathered experts and for expert parallelism; and the CP
-fetch count obeys what the block rule implies on small rows."""
+"""tools/bench/bench_comm.py and bench_comm_cp.py: the collectives counted on 2 gloo ranks equal
+the formula on the tiny model, for FSDP-gathered experts and for expert parallelism; the CP
+fetch count equals the bytes the context-parallel sparse layer sends, and obeys what the block
+rule implies on small rows."""
 
 from __future__ import annotations
 
 import pytest
 
 from mmtrain.models.attention.config import AttentionConfig
-from tools.bench import bench_comm
+from tools.bench import bench_comm, bench_comm_cp
 
 
 @pytest.mark.distributed
@@ -38,12 +39,23 @@ def test_formula_scales_as_stated():
 def test_cp_fetch_follows_the_documents_and_never_exceeds_the_all_gather():
     cfg = AttentionConfig(block_size=8, window=16, top_k=2, visual_always=True)
     S = 1024
-    lone = bench_comm.cp_fetch(S, [2, 4], cfg, kv_heads=2, real_head_dim=16, head_dim=8)
+    lone = bench_comm_cp.cp_fetch(S, [2, 4], cfg, kv_heads=2, real_head_dim=16, head_dim=8)
     for v in lone["cp"].values():
         assert 0 < v["fetch_max"] <= v["gather"]
     # documents of exactly one chunk each: no query keeps a block of another chunk
-    aligned = bench_comm.cp_fetch(S, [4], cfg, kv_heads=2, real_head_dim=16, head_dim=8, doc_len=S // 4)
+    aligned = bench_comm_cp.cp_fetch(S, [4], cfg, kv_heads=2, real_head_dim=16, head_dim=8, doc_len=S // 4)
     assert aligned["cp"][4]["fetch_max"] == 0
     # one query for every token: every query block ranks alike, so a chunk needs less than at random
-    shared = bench_comm.cp_fetch(S, [4], cfg, kv_heads=2, real_head_dim=16, head_dim=8, queries="shared")
+    shared = bench_comm_cp.cp_fetch(S, [4], cfg, kv_heads=2, real_head_dim=16, head_dim=8, queries="shared")
     assert shared["cp"][4]["fetch_mean"] < lone["cp"][4]["fetch_mean"]
+
+
+@pytest.mark.distributed
+def test_cp_fetch_equals_what_the_context_parallel_layer_sends():
+    """The sparse layer of models/attention/context.py on 2 gloo ranks, on the same row (an image
+    across the chunk boundary, documents that straddle it): each rank's counted `cp_kv_fetch`
+    bytes are the ones cp_fetch computes."""
+    args = dict(S=1024, doc_len=300, image_every=512, image_tokens=32, kv_heads=2, head_dim=8, seed=5,
+                queries="random", attn=dict(block_size=16, window=32, top_k=3, visual_always=True))
+    counted, computed = bench_comm_cp.cp_check(args, 2, timeout=120)
+    assert counted == computed and sum(counted) > 0

@@ -17,10 +17,12 @@ measure: the tiny config's model (`configs/tiny.yaml`, vocab 512, 2 rows x 256 t
 compute: `formula()` at the real dims of `small`/`base` (bf16 all-gathers and activations, fp32
   gradient reductions, the configs' per-rank batch), with the uniform-routing expectation
   (T x top_k x (ep - 1) / ep rows leave a rank).
-cp: one synthetic row at `long`'s attention settings (selection exactly as the model runs it:
-  models/attention/select.py, blocks.sparse_lists); for each of cp contiguous chunks, the K/V
-  of the kept blocks that lie in other chunks, against the (cp - 1) / cp of the row's K/V an
-  all-gather brings. Queries and keys are random: see `cp_row`.
+cp (tools/bench/bench_comm_cp.py): one synthetic row at `long`'s attention settings (selection
+  exactly as the model runs it: models/attention/select.py, blocks.sparse_lists); for each of
+  cp contiguous chunks, the K/V of the kept blocks that lie in other chunks (the bytes
+  models/attention/context.py fetches: equal to what it counts on gloo ranks, tested), against
+  the (cp - 1) / cp of the row's K/V an all-gather brings. Queries and keys are random: see
+  `cp_row`.
 
 Wire bytes per rank (ring / pairwise algorithms, n ranks in the group, N bytes the full tensor):
 all-gather and reduce-scatter (n - 1) / n x N, all-reduce 2 (n - 1) / n x N, all-to-all the rows
@@ -40,6 +42,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from tools.bench.bench_comm_cp import part_cp
 
 REPO = Path(__file__).resolve().parents[2]
 MEASURED_MESHES = {  # name -> (ranks, dist overrides)
@@ -367,99 +371,6 @@ def part_compute() -> None:
     print("\n" + "\n".join(notes))
 
 
-# ----- context parallelism: the selective fetch ------------------------------------------------
-def cp_row(S: int, doc_len: int, image_every: int, image_tokens: int, heads: int, head_dim: int, seed: int,
-           queries: str = "random"):
-    """One row: documents of doc_len tokens (0: one), a visual span of image_tokens every
-    image_every tokens (0: text only), iid normal keys and queries for `heads` selection heads
-    (the group-mean query of each kv group is what select_blocks scores with). `queries`:
-    "random", iid per token, so a query block's picks are uniform over its candidates (the widest
-    union a chunk can need); "shared", one query vector for every token, so every query block
-    ranks the blocks alike (picks shared across the chunk: the narrowest). With iid keys neither
-    depends on the head dim, so head_dim may be scaled down."""
-    import torch
-
-    pos = torch.arange(S)
-    doc = pos // doc_len if doc_len else torch.zeros(S, dtype=torch.long)
-    span = torch.full((S,), -1)
-    if image_every:
-        for i, start in enumerate(range(image_every // 2, S - image_tokens, image_every)):
-            span[start:start + image_tokens] = i
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(1, heads, S, head_dim, generator=gen)
-    q = (torch.randn(1, heads, S, head_dim, generator=gen) if queries == "random"
-         else torch.randn(1, heads, 1, head_dim, generator=gen).expand(1, heads, S, head_dim))
-    return doc[None], span[None], q, k
-
-
-def cp_fetch(S: int, cps: list[int], attn_cfg, kv_heads: int, real_head_dim: int, head_dim: int,
-             doc_len: int = 0, image_every: int = 0, image_tokens: int = 1024, seed: int = 0,
-             queries: str = "random") -> dict:
-    """Per cp: the K/V bytes each chunk fetches (the tokens, in other chunks, of the blocks its
-    tiles keep for any selection head, with every kv head: as models/attention/context.py does;
-    `per_head_max`: were each kv head to fetch only its own blocks) and an all-gather's; bf16 K
-    and V of `real_head_dim`."""
-    import torch
-
-    from mmtrain.models.attention.blocks import sparse_lists
-    from mmtrain.models.attention.meta import build_meta
-    from mmtrain.models.attention.select import select_blocks
-
-    doc_BS, span_BS, q, k = cp_row(S, doc_len, image_every, image_tokens, kv_heads, head_dim, seed, queries)
-    meta = build_meta(doc_BS, span_BS, attn_cfg.block_size)
-    sel = select_blocks(q, k, meta, attn_cfg)
-    del q, k
-    lists_GAT = sparse_lists(meta, attn_cfg, sel.picks_BGLk, sel.block_picks_BGAk)[0]
-    lay = meta.aligned()
-    A, Bs = lay.num_blocks, attn_cfg.block_size
-    G = lists_GAT.shape[0]
-    src_AB = lay.src_BL[0].view(A, Bs)
-    per_token_head = 2 * real_head_dim * 2  # K and V, bf16
-    out = {"S": S, "A": A, "cp": {}}
-    for cp in cps:
-        chunk = S // cp
-        owner_AB = torch.where(src_AB >= 0, src_AB // chunk, -1)
-        fetch, per_head = [], []
-        for c in range(cp):
-            tiles_A = (owner_AB == c).any(1)  # tiles with a query token of chunk c
-            need_GX = torch.zeros(G, A + 1, dtype=torch.bool)
-            need_GX.scatter_(1, lists_GAT[:, tiles_A].reshape(G, -1), True)
-            remote_A = ((owner_AB >= 0) & (owner_AB != c)).sum(1)  # the block's tokens elsewhere
-            # as models/attention/context.py fetches: the blocks any head keeps, with all K heads
-            fetch.append(int((need_GX[:, :A].any(0).long() * remote_A).sum()) * G)
-            per_head.append(int((need_GX[:, :A].long() * remote_A).sum()))  # each head its own blocks
-        gather = (cp - 1) * chunk * G
-        out["cp"][cp] = {"fetch_max": max(fetch) * per_token_head, "gather": gather * per_token_head,
-                         "fetch_mean": sum(fetch) / cp * per_token_head,
-                         "per_head_max": max(per_head) * per_token_head,
-                         "key_sums_all_reduce": A * G * real_head_dim * 4 * 2 * (cp - 1) / cp}
-    return out
-
-
-def part_cp(seqs: list[int], cps: list[int], rows: list[tuple[str, int, int]], head_dim: int) -> None:
-    cfg = real_cfg("long")
-    attn, dec = cfg.model.decoder.attention, cfg.model.decoder
-    real_hd = dec.dim // dec.n_heads
-    print(f"\n### CP, one sparse layer of `long` (block {attn.block_size}, window {attn.window}, "
-          f"top_k {attn.top_k}, sink, visual_always {attn.visual_always}, select {attn.select}); "
-          f"{dec.n_kv_heads} kv heads x {real_hd}, bf16 K/V; random q/k of head dim {head_dim}\n")
-    print("| S | row | queries | cp | all-gather MiB/rank | selective fetch MiB/rank: mean, max "
-          "| fetch vs all-gather (max rank) | per-head fetch, max | key-sum all-reduce MiB/rank |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for S in seqs:
-        for row, doc_len, image_every in rows:
-            for queries in ("random", "shared"):
-                r = cp_fetch(S, [c for c in cps if S % c == 0], attn, dec.n_kv_heads, real_hd, head_dim,
-                             doc_len, image_every, queries=queries)
-                for cp, v in r["cp"].items():
-                    mib = {k: x / 2**20 for k, x in v.items()}
-                    print(f"| {S} | {row} | {queries} | {cp} | {mib['gather']:.0f} | "
-                          f"{mib['fetch_mean']:.0f}, {mib['fetch_max']:.0f} | "
-                          f"{v['fetch_max'] / v['gather']:.2f} | {mib['per_head_max']:.0f} | "
-                          f"{mib['key_sums_all_reduce']:.1f} |",
-                          flush=True)
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["all", "measure", "compute", "cp"], default="all")
@@ -479,7 +390,7 @@ def main(argv=None) -> None:
     if args.part in ("all", "cp"):
         rows = [("one text document", 0, 0), ("text documents of 20k", 20000, 0),
                 ("one document, a 1024-token image every 16k", 0, 16384)]
-        part_cp(args.seq, args.cp, rows, args.cp_head_dim)
+        part_cp(real_cfg("long"), args.seq, args.cp, rows, args.cp_head_dim)
 
 
 if __name__ == "__main__":
