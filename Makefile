@@ -10,12 +10,14 @@ TORCH_CPU := torch==2.13.0
 
 .PHONY: install data train test lint bench clean
 
-# A venv with mmtrain installed editable, with the [hf] extra (transformers: the `export --hf` tests).
-# A torch already present (e.g. a CUDA build) is kept; otherwise the CPU wheel is installed first, so pip never pulls a multi-GB CUDA build.
+# A venv with mmtrain installed editable, with the [hf] and [eval] extras (transformers and
+# lm-evaluation-harness: the `export --hf` tests; ~50 s more on a fresh machine). A torch already
+# present (e.g. a CUDA build) is kept; otherwise the CPU wheel is installed first, so pip never
+# pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_CPU)
-	$(BIN)/python -m pip install -q -e ".[dev,hf]"
+	$(BIN)/python -m pip install -q -e ".[dev,hf,eval]"
 	@touch $(STAMP)
 
 install: $(STAMP)
