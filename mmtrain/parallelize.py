@@ -129,7 +129,8 @@ def _apply_fsdp(model: MultimodalModel, cfg: RunConfig, dims: ParallelDims, devi
     for blocks in block_lists(model):
         for block in blocks:
             fully_shard(block, mesh=dense, **kwargs)
-    fully_shard(model, mesh=dense, **kwargs)
+    # the root stays gathered after forward (FSDP2's default for a root): backward needs it first
+    fully_shard(model, mesh=dense, **{**kwargs, "reshard_after_forward": None})
 
 
 def _fsdp_part(mesh, shard_dim: str):

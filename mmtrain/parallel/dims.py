@@ -34,7 +34,10 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: DistConfig, world_size: int, rank: int = 0) -> ParallelDims:
-        """Resolve `dp_shard: -1` (the rest of the world) and check that the sizes fit the world."""
+        """Resolve `dp_shard: -1` (the rest of the world) and check that the sizes fit the world.
+        One process has no mesh: the keys describe a launch, so `configs/base.yaml` also runs alone."""
+        if world_size == 1:
+            return cls(1, 1, 1, 1, 1, rank)
         if cfg.strategy == "ddp":
             if cfg.dp_shard not in (-1, 1) or cfg.cp != 1 or cfg.ep != 1:
                 raise UserError("dist.strategy: ddp replicates the whole model; dist.dp_shard, dist.cp and "

@@ -120,11 +120,15 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
     accum = cfg.train.grad_accum
     dims = trainer.dims  # the rows of this rank's data-parallel slot
     mine = [split_rows(next(it), dims.dp_rank, dims.dp_size) for _ in range(steps * accum)]
-    stats = [trainer.train_step(iter(mine[i * accum:(i + 1) * accum])) for i in range(steps)]
+    moes = trainer.raw_model.moe_layers().values()
+    stats, bias = [], []  # the balancing bias moves by the all-reduced expert loads of each step
+    for i in range(steps):
+        stats.append(trainer.train_step(iter(mine[i * accum:(i + 1) * accum])))
+        bias.append([m.router.expert_bias_E.tolist() for m in moes])
     if env.is_main:
         Path(out).write_text(json.dumps({"loss": [s.loss for s in stats],
                                          "grad_norm": [s.grad_norm for s in stats],
-                                         "tokens": [s.tokens for s in stats],
+                                         "tokens": [s.tokens for s in stats], "expert_bias": bias,
                                          "traffic": trainer.traffic.sent}))  # all steps (no fit)
     if env.distributed:
         shutdown()

@@ -86,6 +86,7 @@ def test_four_ranks_at_any_mesh_match_one_process(raw_for, one_process_four_rows
     assert four["tokens"] == one["tokens"]
     assert four["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=0)
     assert four["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5, abs=0)
+    assert four["expert_bias"] == one["expert_bias"]  # the same expert loads, step by step
     if "ep" in mesh:  # rows did travel, and were counted
         assert four["traffic"]["ep_all_to_all"] > 0
 
@@ -113,6 +114,7 @@ def test_context_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
     assert cp["tokens"] == one["tokens"]
     assert cp["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=0)
     assert cp["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5, abs=0)
+    assert cp["expert_bias"] == one["expert_bias"]  # the same expert loads, step by step
     assert cp["traffic"]["cp_kv_all_gather"] > 0 and cp["traffic"]["cp_kv_fetch"] > 0
 
 
