@@ -62,9 +62,9 @@ class _Recorder:
     def __init__(self, attend):
         self.attend, self.calls = attend, []
 
-    def __call__(self, q, k, v, meta, cfg, sparse=False, capture=None, stats=None):
+    def __call__(self, q, k, v, meta, cfg, sparse=False, capture=None, stats=None, context=None):
         cap = {} if capture is None else capture
-        out = self.attend(q, k, v, meta, cfg, sparse=sparse, capture=cap, stats=stats)
+        out = self.attend(q, k, v, meta, cfg, sparse=sparse, capture=cap, stats=stats, context=context)
         self.calls.append(dict(q=q, k=k, v=v, out=out, sparse=sparse, capture=cap, cfg=cfg))
         return out
 
