@@ -102,7 +102,7 @@ def formula(model_cfg, mesh: dict, tokens: int, rows: float | None = None, param
             moe_passes: int = 2, node: int = 8) -> dict[str, float]:
     """Wire bytes per rank for one optimizer step (one micro-batch) at `mesh` = {world,
     dp_replicate, ep} (cp 1): FSDP all-gathers (forward, and again in backward with
-    reshard_after_forward, root included), reduce-scatters and HSDP all-reduces of the gradients,
+    reshard_after_forward, except the root's), reduce-scatters and HSDP all-reduces of the gradients,
     split into the routed experts' and the rest; and the EP all-to-all. A rank sends its rows out
     (dispatch) and the rows it received back (combine); backward repeats both in reverse. `rows`:
     this rank's rows out + rows in over all MoE layers; default the uniform expectation
@@ -124,7 +124,7 @@ def formula(model_cfg, mesh: dict, tokens: int, rows: float | None = None, param
             n = efsdp if on == "efsdp" else shard
             kind = "expert" if expert else "other"
             numel = padded(shape, n)
-            passes = 2 if reshard_after_forward else 1  # the root too: parallelize passes True explicitly
+            passes = 2 if reshard_after_forward and not unit["root"] else 1  # the root: kept gathered
             ag, rs = passes * numel * (n - 1) / n * param_bytes, numel * (n - 1) / n * grad_bytes
             ar = numel / n * 2 * (rep - 1) / rep * grad_bytes
             out[f"ag_{kind}"] += ag
