@@ -316,6 +316,36 @@ def test_lm_eval_loglikelihood_equals_mmtrain(exported):
     assert lm_eval.__version__
 
 
+def test_lmms_eval_model_scores_and_captions_as_mmtrain(exported):
+    """lmms-eval's `mmtrain` model on the export: an image prompt's log-likelihood is mmtrain's summed
+    log-probabilities, and its greedy caption (cut at the task's `until`) mmtrain generate's."""
+    pytest.importorskip("lmms_eval")
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from mmtrain.data_pipelines.preprocess import Decoded
+    from mmtrain.lmms_eval_model import MmtrainLMM
+
+    m, sample, cont = exported["m"], _val(exported["corpus"], "image"), " a large"
+    p0, p1 = (sample_prompt(sample, m.cfg.data.media, extra) for extra in ("", cont))
+    image = Image.fromarray(next(s for s in p0.segments if isinstance(s, Decoded)).frames_THWC[0])
+    _, batch = _batch(m, [p1])
+    with torch.no_grad():
+        logits_SV = m.model(**batch.model_inputs()).logits_BSV[0]
+    tok_S, n = batch.tokens_BS[0], len(m.tokenizer.encode(cont))
+    ref = float(logits_SV[:-1].log_softmax(-1).gather(-1, tok_S[1:, None])[-n:].sum())
+    lm = MmtrainLMM(str(exported["out"]))
+    lm.task_dict = {"t": {"test": [{"image": image}]}}
+    visual = lambda doc: [doc["image"]]  # noqa: E731
+    req = SimpleNamespace(args=("<|image_pad|>" + p0.text, cont, visual, 0, "t", "test"))
+    (ll, _), = lm.loglikelihood([req])
+    assert abs(ll - ref) <= 1e-4
+    kwargs = {"max_new_tokens": 9, "until": ["."]}
+    text, = lm.generate_until([SimpleNamespace(args=(p0.text, kwargs, visual, 0, "t", "test"))])
+    assert text == generate(m, [p0], SamplingConfig(max_new_tokens=9)).generations[0].text.split(".")[0]
+
+
 def test_the_folder_works_where_mmtrain_is_not_importable(exported, tmp_path):
     """A fresh interpreter that sees the venv's packages but not the repository nor mmtrain's
     editable install (-S skips site and its .pth finders; PYTHONPATH adds site-packages back)."""
