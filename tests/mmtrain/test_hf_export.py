@@ -316,6 +316,21 @@ def test_lm_eval_loglikelihood_equals_mmtrain(exported):
     assert lm_eval.__version__
 
 
+def test_an_image_alone_is_the_caption_prompt(exported):
+    """proc(images=image) with no text is the caption prompt (the image alone, as `mmtrain generate
+    --image` builds it); greedy `generate` by the folder's generation config, decoded, is the text
+    mmtrain prints."""
+    m, proc, hf = exported["m"], _proc(exported), _hf(exported)
+    prompt, kwargs = _prompts(exported)[0]  # a val image, no text after it
+    inputs = proc(images=kwargs["images"][0], return_tensors="pt")
+    spelled = proc(text="<|image_pad|>", images=kwargs["images"], return_tensors="pt")
+    assert torch.equal(inputs["input_ids"], spelled["input_ids"])
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=12)
+    text = proc.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert text == [generate(m, [prompt], SamplingConfig(max_new_tokens=12)).generations[0].text]
+
+
 def test_lmms_eval_model_scores_and_captions_as_mmtrain(exported):
     """lmms-eval's `mmtrain` model on the export: an image prompt's log-likelihood is mmtrain's summed
     log-probabilities, and its greedy caption (cut at the task's `until`) mmtrain generate's."""
