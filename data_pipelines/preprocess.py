@@ -41,11 +41,6 @@ def frame_grid(n_frames: int, H: int, W: int, media: MediaConfig) -> tuple[int, 
     return n_frames // media.temporal_patch, H // media.patch_size, W // media.patch_size
 
 
-def merged_tokens(grid_thw: tuple[int, int, int], merge: int) -> int:
-    t, h, w = grid_thw
-    return t * (h // merge) * (w // merge)
-
-
 def resize_frames(frames_THWC: np.ndarray, H: int, W: int) -> np.ndarray:
     """uint8 (T, H, W, C) at the target size (bicubic; a no-op when already there). Shrinking by
     4x or more first box-reduces by an integer factor (Pillow's reducing_gap=2: faster, and

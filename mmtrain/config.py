@@ -104,10 +104,6 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
-def save_config(cfg: Any, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
-
-
 def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
     origin, args = get_origin(tp), get_args(tp)
     if origin in (Union, types.UnionType):

@@ -6,9 +6,6 @@ import os
 import tempfile
 from pathlib import Path
 
-import yaml
-
-from mmtrain.config import to_dict
 from mmtrain.errors import UserError
 
 RESOLVED_CONFIG = "config.yaml"
@@ -25,10 +22,3 @@ def prepare_run_dir(path: str | Path) -> Path:
     if not os.access(run_dir, os.W_OK | os.X_OK):
         raise UserError(f"run_dir {str(run_dir)!r}: not writable")
     return run_dir
-
-
-def write_resolved_config(cfg, run_dir: Path) -> str:
-    """Save the config after defaults and overrides (and the tokenizer's vocab) are applied."""
-    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
-    (run_dir / RESOLVED_CONFIG).write_text(text, encoding="utf-8")
-    return text

@@ -52,10 +52,6 @@ def vision_freqs(head_dim: int, theta: float, device: torch.device | None = None
     return [inv_freq(n, theta, device) for n in vision_sections(head_dim)]
 
 
-def cos_sin(angles_F: Tensor) -> tuple[Tensor, Tensor]:
-    return angles_F.cos(), angles_F.sin()
-
-
 def apply_rotary(x_D: Tensor, cos_F: Tensor, sin_F: Tensor) -> Tensor:
     """Rotate pairs (i, i + F) of x (*, D) by the angles; cos/sin broadcast against x[..., :F].
 

@@ -110,10 +110,6 @@ class AttnMeta:
         return -(-self.seq_len // self.block_size)
 
     @property
-    def padded_len(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
     def nblk_BS(self) -> Tensor:
         """Doc-relative block of every token."""
         return self.rank_BS // self.block_size

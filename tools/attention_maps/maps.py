@@ -119,11 +119,6 @@ class DocAttention:
     n_heads: int
     block_size: int
 
-    def row_index(self, positions: Sequence[int]) -> np.ndarray:
-        """Indices into `rows` (statistics) of those positions that were recomputed."""
-        where = {int(p): i for i, p in enumerate(self.rows)}
-        return np.array([where[int(p)] for p in positions if int(p) in where], dtype=np.int64)
-
     def has_maps(self, positions: Sequence[int]) -> bool:
         return len(self._map_index(positions)) == len(positions)
 
