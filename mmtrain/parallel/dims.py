@@ -90,9 +90,14 @@ class ParallelDims:
                           ("dp_replicate", "fsdp"))
 
     def expert_mesh(self, device_type: str):
-        """(dp_replicate, efsdp, ep): `ep` shards the experts, the other two are their FSDP2 mesh."""
-        return self._mesh(device_type, "expert", (self.dp_replicate, self.efsdp, self.ep),
+        """(dp_replicate, efsdp, ep): `ep` shards the experts, the other two are their FSDP2 mesh.
+        (efsdp, ep) is also flattened, so an expert gradient's norm is one all-reduce, not two."""
+        fresh = "expert" not in self._meshes
+        mesh = self._mesh(device_type, "expert", (self.dp_replicate, self.efsdp, self.ep),
                           ("dp_replicate", "efsdp", "ep"))
+        if fresh:
+            mesh["efsdp", "ep"]._flatten("efsdp_ep")
+        return mesh
 
     def cp_mesh(self, device_type: str):
         """(dp_replicate, dp_shard, cp): a `cp` group is the ranks that split the same rows."""
