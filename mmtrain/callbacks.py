@@ -22,8 +22,8 @@ list order: the built-ins the config asks for, then the user's (`Trainer(cfg, ca
 then fault injection (a simulated crash comes after everything else a step does).
 
 A callback with `state_dict()` / `load_state_dict()` (torch's `Stateful` protocol) is a part of the
-checkpoint, `callback.<name>`: replicated (rank 0's copy) unless `per_rank = True`. A checkpoint
-without that part (an older one, or the callback is new) leaves the callback as built.
+checkpoint, `callback.<name>` (or its `part`): replicated (rank 0's copy) unless `per_rank = True`.
+A checkpoint without that part (an older one, or the callback is new) leaves the callback as built.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ if TYPE_CHECKING:
     from mmtrain.trainer import Trainer
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepStats:
-    """What one optimizer step did, all ranks together."""
+    """What one optimizer step did, all ranks together (built by the objective, mmtrain/objective.py)."""
 
     loss: float
     task_loss: dict[str, float]
@@ -55,9 +55,9 @@ class StepStats:
     media: int = 0
     patches: int = 0
     time_up: bool = False
-    visual_ssl: float | None = None  # mean masked-patch loss of the step (when enabled)
     task_tokens: dict[str, int] = field(default_factory=dict)  # trained tokens per task, all ranks
-    token_weighting: dict[str, float] | None = None  # loss.token_weighting: its cost and weights
+    terms: dict[str, float | None] = field(default_factory=dict)  # extra loss terms' step means, by name
+    figures: dict[str, dict[str, float]] = field(default_factory=dict)  # e.g. token weighting's cost
 
     def tokens_per_s_per_device(self, world_size: int) -> float:
         return self.tokens / world_size / max(self.step_s, 1e-9)
@@ -71,6 +71,7 @@ class Callback:
 
     name: ClassVar[str] = "callback"  # the checkpoint part is `callback.<name>`: unique per trainer
     per_rank: ClassVar[bool] = False  # state in each rank's file instead of rank 0's
+    part: ClassVar[str | None] = None  # the checkpoint part's name, if not `callback.<name>`
 
     def on_train_start(self, trainer: Trainer) -> None:
         pass
@@ -118,8 +119,8 @@ class Callbacks:
         return next((c for c in self.items if isinstance(c, kind)), None)
 
     def parts(self, per_rank: bool) -> dict[str, Stateful]:
-        """The stateful callbacks as checkpoint parts: `callback.<name>`."""
-        return {f"callback.{c.name}": c for c in self.items
+        """The stateful callbacks as checkpoint parts: `callback.<name>` (or their `part`)."""
+        return {c.part or f"callback.{c.name}": c for c in self.items
                 if isinstance(c, Stateful) and c.per_rank == per_rank}
 
     def emit(self, hook: str, trainer: Trainer, *args) -> None:

@@ -74,6 +74,8 @@ def from_dict(cls: type[T], raw: Any, source: str = "<config>", prefix: str = ""
     if not isinstance(raw, dict):
         key = prefix.rstrip(".") or "config"
         raise ConfigError(f"{source}: {key}: expected a mapping, got {_show(raw)}")
+    if hasattr(cls, "legacy_keys"):  # a component that still reads keys it no longer writes
+        raw = cls.legacy_keys(raw)
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(raw) - set(known))

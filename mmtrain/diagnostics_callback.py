@@ -2,9 +2,10 @@
 `diagnostics.every` steps and at the last step, on the first `diagnostics.batches` val batches.
 
 Each run goes to TensorBoard (`diag/*`, the expert-load heatmap), to `RUN/diagnostics.jsonl`
-(rank 0), to the log as `ALARM @ step: ...` lines, and to the balancer (the reliance guard reads
-the gaps). The history is the callback's state, a checkpoint part (`callback.diagnostics`), so a
-resumed run neither repeats the start's run nor loses the curve; the last run is in the summary.
+(rank 0), to the log as `ALARM @ step: ...` lines, and to every callback's `on_diagnostics` (a
+balancer that declares a diagnostics signal, the mixture controller). The history is the
+callback's state, a checkpoint part (`callback.diagnostics`), so a resumed run neither repeats
+the start's run nor loses the curve; the last run is in the summary.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ class Diagnostics(Callback):
                                  raw_model=trainer.raw_model, grounding=self._grounding)
         self.history.append(result.to_dict())  # with its step and alarms
         self._report(trainer, result)
-        trainer.balancer.observe_reliance(result.reliance_gap, trainer.step)
         trainer.callbacks.emit("on_diagnostics", trainer, result)
 
     def _report(self, trainer: Trainer, result) -> None:

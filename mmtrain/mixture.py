@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from mmtrain.balance.signals import SIGNALS
 from mmtrain.callbacks import Callback, StepStats
 from mmtrain.data_pipelines.config import MixControllerConfig, SourceConfig
 from mmtrain.evaluate import MEDIA_TASKS
@@ -35,6 +36,8 @@ from mmtrain.evaluate import MEDIA_TASKS
 if TYPE_CHECKING:
     from mmtrain.diagnostics import DiagResult
     from mmtrain.trainer import Trainer
+
+SIGNAL_OF = {"mismatch": "mismatch_gap", "blank": "reliance_gap"}  # controller.signal -> the signal read
 
 
 
@@ -131,7 +134,7 @@ class MixController(Callback):
     def on_diagnostics(self, trainer: Trainer, result: DiagResult) -> None:
         if trainer.step < self.cfg.warmup_steps or trainer.step >= trainer.cfg.train.steps:
             return
-        gaps = result.mismatch_gap if self.cfg.signal == "mismatch" else result.reliance_gap
+        gaps = getattr(result, SIGNALS[SIGNAL_OF[self.cfg.signal]].attr)
         if self.decide(gaps, trainer.step):
             self._changed = self.use_weights(self.weights())
             shares = " ".join(f"{n} {v:.2f}" for n, v in self.weights().items())

@@ -102,13 +102,13 @@ def reliance_weights(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, labels
 @torch.no_grad()
 def reliance_stats(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, weights_BS: torch.Tensor,
                    labels_BS: torch.Tensor, task_BS: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums for the log, over the media tasks' trained tokens: tw_n (tokens), tw_delta (sum of
-    max(ce_blank - ce_real, 0)), tw_top / tw_top_n (sum and count of the top-decile weights)."""
+    """Sums for the log, over the media tasks' trained tokens: tokens, delta (sum of
+    max(ce_blank - ce_real, 0)), top / top_n (sum and count of the top-decile weights)."""
     sel_BS = media_tokens(labels_BS, task_BS)
     w_T = weights_BS[sel_BS]
     k = math.ceil(w_T.numel() / 10)
-    return {"tw_n": sel_BS.sum(), "tw_delta": (ce_blank_BS - ce_real_BS).clamp(min=0)[sel_BS].sum(),
-            "tw_top": w_T.topk(k).values.sum(), "tw_top_n": torch.tensor(k)}
+    return {"tokens": sel_BS.sum(), "delta": (ce_blank_BS - ce_real_BS).clamp(min=0)[sel_BS].sum(),
+            "top": w_T.topk(k).values.sum(), "top_n": torch.tensor(k)}
 
 
 def take_rows(batch: PackedBatch, rows_R: torch.Tensor) -> PackedBatch:

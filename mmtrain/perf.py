@@ -113,7 +113,7 @@ class Throughput(Callback):
                "perf/tokens_per_s": s.tokens_per_s_per_device(world) * world,
                "perf/tokens_per_s_per_device": self.window.tokens_per_s_per_device(world),
                "perf/peak_mem_gib": global_peak_memory(trainer)}
-        for i, a in trainer.attn_stats.items():
+        for i, a in trainer.objective.attn_stats.items():
             out[f"attn/keys_per_token_L{i}"] = a["keys_per_token"]
             if a["sparse"]:
                 out[f"attn/kept_block_frac_L{i}"] = a["kept_frac"]
@@ -123,7 +123,8 @@ class Throughput(Callback):
         return out
 
     def mfu(self, trainer: Trainer, window: Window) -> float | None:
-        keys = {i: a["keys_per_token"] for i, a in trainer.attn_stats.items()}  # measured attention FLOPs
+        attn = trainer.objective.attn_stats  # measured attention FLOPs
+        keys = {i: a["keys_per_token"] for i, a in attn.items()}
         world = trainer.env.world_size
         return window.mfu(trainer.raw_model, trainer.cfg.data.seq_len, world, self.peak, keys)
 
@@ -133,7 +134,7 @@ class Throughput(Callback):
             "data_wait_fraction": self.wait_s / max(self.step_s, 1e-9),
             "tokens_per_s_per_device": perf.tokens_per_s_per_device(trainer.env.world_size),
             "mfu": self.mfu(trainer, perf), "peak_mem_gib": global_peak_memory(trainer),
-            "attention": {str(i): a for i, a in trainer.attn_stats.items()},
+            "attention": {str(i): a for i, a in trainer.objective.attn_stats.items()},
         })
 
 

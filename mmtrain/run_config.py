@@ -6,11 +6,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mmtrain.balance import BalanceConfig
+from mmtrain.balance import BALANCERS, BalanceConfig
+from mmtrain.balance.signals import check_signals
 from mmtrain.caption_config import CaptionEvalConfig
 from mmtrain.checks import check
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.diagnostics import DiagConfig
+from mmtrain.mixture import SIGNAL_OF
 from mmtrain.models.multimodal import ModelConfig
 
 
@@ -203,22 +205,18 @@ class RunConfig:
                              f"lcm(block_size, full_tile) = {unit}")
         if self.dist.strategy != "fsdp":
             raise ValueError("dist.cp: > 1 needs dist.strategy: fsdp")
-        if self.loss.balancer.kind == "gradnorm" or self.loss.token_weighting.strength:
-            raise ValueError("dist.cp: > 1 does not combine with loss.balancer.kind gradnorm or "
-                             "loss.token_weighting (they take whole-row forwards of their own)")
+        if self.loss.token_weighting.strength:
+            raise ValueError("dist.cp: > 1 does not combine with loss.token_weighting (it takes "
+                             "whole-row forwards of its own)")
 
     def _check_objectives(self) -> None:
         if self.loss.visual_ssl.weight > 0 and not self.model.vision.ssl_head:
             raise ValueError("loss.visual_ssl.weight: > 0 needs model.vision.ssl_head: true")
-        if self.loss.balancer.kind == "reliance_guard" and not self.diagnostics.every:
-            raise ValueError("loss.balancer.kind: reliance_guard reads the reliance gap of the "
-                             "diagnostics: set diagnostics.every > 0")
+        kind = self.loss.balancer.kind
+        check_signals(self, BALANCERS[kind].signals, f"loss.balancer.kind: {kind}")
         ctl = self.data.mix.controller
-        if ctl.kind != "none" and not self.diagnostics.every:
-            raise ValueError(f"data.mix.controller.kind: {ctl.kind} reads the reliance gaps of the "
-                             "diagnostics: set diagnostics.every > 0")
+        if ctl.kind != "none":
+            check_signals(self, (SIGNAL_OF[ctl.signal],), f"data.mix.controller.kind: {ctl.kind}")
         if ctl.kind != "none" and self.train.stages:
             raise ValueError("data.mix.controller: not combinable with train.stages (both set the "
                              "train mixture); use one")
-        if ctl.kind != "none" and ctl.signal == "mismatch" and not self.diagnostics.mismatch:
-            raise ValueError("data.mix.controller.signal: mismatch needs diagnostics.mismatch: true")

@@ -8,13 +8,15 @@ without the pixels. The media tasks' loss then weights each token by how much th
 
 It runs first so its activations are freed before the training graph exists. Training state is
 left alone (`diagnostics.frozen_state`: eval mode, so MoE layers count no load, RNG restored).
-Its step figures are summed in the trainer's `acc` under the `tw_*` keys (STAT_KEYS).
+Its cost and weights are summed in a `TokenWeightingSums` (part of the step's sums, all-reduced
+with them); `figures()` turns the step's total into the logged figures.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -32,8 +34,27 @@ from mmtrain.objectives import (
     token_losses,
 )
 from mmtrain.run_config import TokenWeightingConfig
+from mmtrain.sums import Sums
 
-STAT_KEYS = ("tw_s", "tw_n", "tw_delta", "tw_top", "tw_top_n")  # sums over micro-batches and ranks
+
+@dataclass
+class TokenWeightingSums(Sums):
+    """Over micro-batches (and, reduced, ranks): the media tasks' trained tokens weighted."""
+
+    seconds: float = 0.0  # the blank forwards' wall time
+    tokens: float = 0.0  # tokens weighted
+    delta: float = 0.0  # sum of max(ce_blank - ce_real, 0) over them
+    top: float = 0.0  # sum of each micro-batch's top-decile weights ...
+    top_n: float = 0.0  # ... and how many those are
+
+    def figures(self, world: int) -> dict[str, float] | None:
+        """The step's figures from the all-reduced sums: blank-forward seconds (mean over ranks),
+        mean positive loss difference blank - real of the weighted tokens, mean weight of each
+        micro-batch's top decile. None when no token was weighted."""
+        if not self.tokens:
+            return None
+        return {"seconds": self.seconds / world, "mean_delta": self.delta / self.tokens,
+                "top_decile_weight": self.top / max(self.top_n, 1.0)}
 
 
 class TokenWeighting:
@@ -42,7 +63,8 @@ class TokenWeighting:
         self.cfg, self.model, self.device = cfg, model, device
         self.autocast, self.pad_batch, self.fsdp = autocast, pad_batch, fsdp
 
-    def blank_ce(self, batch: PackedBatch, counts: list[float] | None, acc: dict) -> torch.Tensor | None:
+    def blank_ce(self, batch: PackedBatch, counts: list[float] | None,
+                 sums: TokenWeightingSums) -> torch.Tensor | None:
         """(B, S) cross-entropy with every medium blanked, forwarded only on the rows that hold
         media-task trained tokens (0 on the others); None when this rank has none.
 
@@ -53,40 +75,31 @@ class TokenWeighting:
         if not len(rows_R):
             others = counts is not None and any(counts[i] for i in MEDIA_TASK_IDS)
             if others and self.fsdp:
-                self._frozen_ce(self.pad_batch().to(self.device), acc)
+                self._frozen_ce(self.pad_batch().to(self.device), sums)
             return None
         sub = batch if len(rows_R) == batch.labels_BS.shape[0] else take_rows(batch, rows_R)
-        ce_RS = self._frozen_ce(blank_media(sub), acc)
+        ce_RS = self._frozen_ce(blank_media(sub), sums)
         return torch.zeros(batch.labels_BS.shape, device=self.device).index_copy_(0, rows_R, ce_RS)
 
-    def _frozen_ce(self, batch: PackedBatch, acc: dict) -> torch.Tensor:
-        """Per-token CE of a forward that leaves training state alone. Its time -> acc["tw_s"]."""
+    def _frozen_ce(self, batch: PackedBatch, sums: TokenWeightingSums) -> torch.Tensor:
+        """Per-token CE of a forward that leaves training state alone. Its time -> sums.seconds."""
         t0 = time.perf_counter()
         with torch.no_grad(), frozen_state(self.model, self.device), self.autocast():
             logits_BSV = self.model(**batch.model_inputs()).logits_BSV
         ce_BS = token_losses(logits_BSV, batch.labels_BS)
         if self.device.type == "cuda":  # the forward's GPU time, not its launch time
             torch.cuda.synchronize(self.device)
-        acc["tw_s"] += time.perf_counter() - t0
+        sums.seconds += time.perf_counter() - t0
         return ce_BS
 
     def reweight(self, losses: TaskLosses, ce_blank_BS: torch.Tensor, batch: PackedBatch,
-                 acc: dict) -> TaskLosses:
+                 sums: TokenWeightingSums) -> TaskLosses:
         """`losses` with the media tasks' tokens weighted by reliance (the sums to optimise)."""
         labels_BS, task_BS = batch.labels_BS, batch.task_BS
         ce_real_BS = losses.ce_BS.detach()
         cfg = self.cfg
         w_BS = reliance_weights(ce_real_BS, ce_blank_BS, labels_BS, task_BS, cfg.strength, cfg.floor)
         for key, value in reliance_stats(ce_real_BS, ce_blank_BS, w_BS, labels_BS, task_BS).items():
-            acc[key] += float(value)
+            setattr(sums, key, getattr(sums, key) + float(value))
         return reweighted(losses, w_BS, labels_BS, task_BS)
 
-
-def step_figures(total: dict, world: int) -> dict[str, float] | None:
-    """A step's figures from the all-reduced sums: blank-forward seconds (mean over ranks), mean
-    positive loss difference blank - real of the weighted tokens, mean weight of each micro-batch's
-    top decile. None when no token was weighted."""
-    if not total["tw_n"]:
-        return None
-    return {"seconds": total["tw_s"] / world, "mean_delta": total["tw_delta"] / total["tw_n"],
-            "top_decile_weight": total["tw_top"] / max(total["tw_top_n"], 1.0)}

@@ -14,11 +14,10 @@ injection, and any user callback -- are callbacks (mmtrain/callbacks.py) it call
 One process, or one rank of a torchrun job: parallelism is applied from outside the model
 (mmtrain/parallelize.py), the process group comes from mmtrain/distributed.py.
 
-Losses across ranks. A micro-batch's loss is the sum over tasks of weight * (CE summed over the
-task's trained tokens / the task's trained tokens on ALL ranks), so the ranks' shares add up to
-exactly the loss of one process holding the whole global batch; backward runs on share x world
-size because FSDP/DDP average gradients. Every rank then takes the same decisions (skip a
-non-finite step, stop at the time limit) from all-reduced numbers.
+The loss of a micro-batch and every term in it are the objective's (mmtrain/objective.py): the
+loop asks it for this rank's share, runs backward on share x world size (FSDP/DDP average
+gradients), and every rank takes the same decisions (skip a non-finite step, stop at the time
+limit) from the step's all-reduced sums.
 """
 
 from __future__ import annotations
@@ -41,36 +40,28 @@ from mmtrain.captioning import CaptionEval
 from mmtrain.checkpoint import TOKENIZER_FILE, Checkpointer, tokenizer_file
 from mmtrain.config import to_dict
 from mmtrain.curriculum import Curriculum, stage_data
-from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TEXT, PackedBatch
+from mmtrain.data_pipelines.batch import TASK_NAMES, PackedBatch
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.tokenizer import load_tokenizer
 from mmtrain.diagnostics_callback import Diagnostics
-from mmtrain.dist_eval import dummy_batch, evaluate_ranks
+from mmtrain.dist_eval import evaluate_ranks
 from mmtrain.distributed import DistEnv, all_reduce, current_env, pick_device
 from mmtrain.errors import UserError
 from mmtrain.evaluate import EvalResult
 from mmtrain.faults import FaultInjection, faults_configured
 from mmtrain.logger import RunLogger
 from mmtrain.mixture import MixController
-from mmtrain.models.attention.counts import ATTN_COUNTS
-from mmtrain.models.vision import make_ssl_mask
-from mmtrain.objectives import head_grads, task_losses, weighted_total, z_loss
+from mmtrain.objective import Objective
 from mmtrain.optim import build_optimizer, build_scheduler
-from mmtrain.parallel.context_parallel import context_shard, local_targets
+from mmtrain.parallel.context_parallel import context_shard
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.expert_parallel import Traffic
 from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync, scale_expert_grads
 from mmtrain.perf import Throughput, peak_tflops
 from mmtrain.run_config import RunConfig
 from mmtrain.run_dir import RESOLVED_CONFIG, prepare_run_dir
-from mmtrain.token_weighting import STAT_KEYS as TW_KEYS
-from mmtrain.token_weighting import TokenWeighting, step_figures
 from mmtrain.train_state import LoaderPart, ModelPart, OptimizerPart, Parts, RNGPart, TrainState
-
-_STATS = ("loss", *(f"sum_{t}" for t in TASK_NAMES), *(f"n_{t}" for t in TASK_NAMES),
-          *(f"hit_{t}" for t in TASK_NAMES), "ssl", "tokens", "visual", "media", "patches", "wait_s",
-          "nonfinite", "time_up", *TW_KEYS)
 
 __all__ = ["StepStats", "Trainer"]
 
@@ -106,12 +97,9 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, cfg.train.keep_last, self.env)
         self.callbacks = Callbacks([*self.builtin_callbacks(), *callbacks, *self.fault_callbacks()])
         self._mix = self.callbacks.get(MixController)
-        tw_cfg = cfg.loss.token_weighting
-        self.token_weighting = TokenWeighting(tw_cfg, self.model, self.device, self.autocast, self.pad_batch,
-                                              cfg.dist.strategy == "fsdp") if tw_cfg.strength else None
-        self._head_g: dict[str, torch.Tensor] = {}  # GradNorm: LM-head gradient per task, this step
-        self._attn_acc: dict[int, torch.Tensor] | None = None  # attention counts, on log steps
-        self.attn_stats: dict[int, dict] = {}  # per layer, latest log step: kept_frac, keys_per_token
+        self.objective = Objective(cfg, self.model, self.balancer, env=self.env, device=self.device,
+                                   raw_model=self.raw_model, dp_rank=self.dims.dp_rank,
+                                   cp_rank=self.dims.cp_rank, context=self.context, autocast=self.autocast)
         self._val_cache: list[PackedBatch] | None = None
         self.verbose = verbose
         self.log: RunLogger | None = None  # open during fit()
@@ -128,7 +116,7 @@ class Trainer:
     def builtin_callbacks(self) -> list[Callback]:
         """What the config asks for besides the loop (fault injection comes last, see fault_callbacks)."""
         cfg = self.cfg
-        out: list[Callback] = [Throughput(peak_tflops(self.device, cfg.train.peak_tflops))]
+        out: list[Callback] = [self.balancer, Throughput(peak_tflops(self.device, cfg.train.peak_tflops))]
         if self.dims.ep > 1 or self.dims.cp > 1:
             out.append(self.traffic)
         if cfg.train.stages:
@@ -149,8 +137,8 @@ class Trainer:
         """What a checkpoint holds, by name and by where it lives (see mmtrain/train_state.py)."""
         return Parts(
             sharded={"model": ModelPart(self.model), "optim": OptimizerPart(self.model, self.optimizer)},
-            replicated={"train": self.state, "scheduler": self.scheduler, "balancer": self.balancer,
-                        **self.callbacks.parts(per_rank=False)},
+            replicated={"train": self.state, "scheduler": self.scheduler,
+                        **self.callbacks.parts(per_rank=False)},  # the balancer's part among them
             per_rank={"data": LoaderPart(lambda: self.train_loader), "rng": RNGPart(),
                       **self.callbacks.parts(per_rank=True)},
             data_rank=(self.dims.dp_rank, self.dims.dp_size),
@@ -269,30 +257,24 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         accum, world = self.cfg.train.grad_accum, self.env.world_size
-        weights = self.balancer.weights()
-        acc = dict.fromkeys(_STATS, 0.0)
-        # On log steps the layers also count what their attention visited (MFU, sparsity).
-        log_step = (self.step + 1) % self.cfg.train.log_every == 0
-        self._attn_acc = {} if log_step and self.context is None else None  # (counts need whole rows)
-        self._head_g = {}
+        sums = self.objective.begin_step(self.step)
         for i in range(accum):
             t0 = time.perf_counter()
             batch = next(train_iter)
-            acc["wait_s"] += time.perf_counter() - t0
+            sums.wait_s += time.perf_counter() - t0
             batch = batch.to(self.device, non_blocking=True)
             with grad_sync(self.model, self.env, last=i == accum - 1):
-                loss = self._micro_batch(batch, weights, acc)
+                loss = self.callbacks.on_loss(self, self.objective.micro_batch(batch, sums))  # e.g. a NaN
                 (loss * world / accum).backward()
-            acc["loss"] += float(loss.detach()) / accum
-        if self._attn_acc is not None:
-            self._finish_attn_stats()
+            sums.loss += float(loss.detach()) / accum
+        self.objective.end_backward()
         scale_expert_grads(self.raw_model, self.dims)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
-        acc["nonfinite"] = float(not (math.isfinite(acc["loss"]) and math.isfinite(grad_norm)))
+        sums.nonfinite = float(not (math.isfinite(sums.loss) and math.isfinite(grad_norm)))
         limit = self.cfg.train.time_limit_min
-        acc["time_up"] = float(bool(limit) and time.monotonic() - self._t_launch > limit * 60)
-        total = self._reduce(acc)
-        skipped = total["nonfinite"] > 0 or not math.isfinite(total["loss"])
+        sums.time_up = float(bool(limit) and time.monotonic() - self._t_launch > limit * 60)
+        total = sums.reduce(self.env, self.device)
+        skipped = total.nonfinite > 0 or not math.isfinite(total.loss)
         if skipped:
             self._skip_step()
         else:
@@ -300,120 +282,8 @@ class Trainer:
             self.scheduler.step()
             self._after_optimizer_step()
         self.state.step += 1
-        tokens = int(total["tokens"])
-        self.state.tokens_seen += tokens
-        task_loss = {t: total[f"sum_{t}"] / total[f"n_{t}"] for t in TASK_NAMES if total[f"n_{t}"]}
-        task_acc = {t: total[f"hit_{t}"] / total[f"n_{t}"] for t in TASK_NAMES if total[f"n_{t}"]}
-        if not skipped:
-            self.balancer.observe(task_loss, self.step, self._head_grad_norms(task_loss))
-        ssl = total["ssl"] / (accum * world) if self.cfg.loss.visual_ssl.weight else None
-        return StepStats(total["loss"], task_loss, task_acc, grad_norm, tokens, total["wait_s"] / world,
-                         time.perf_counter() - t_start, skipped, int(total["visual"]), int(total["media"]),
-                         int(total["patches"]), total["time_up"] > 0, ssl,
-                         {t: int(total[f"n_{t}"]) for t in TASK_NAMES}, step_figures(total, world))
-
-    def _micro_batch(self, batch: PackedBatch, weights: dict[str, float], acc: dict) -> torch.Tensor:
-        """Forward one micro-batch; -> this rank's share of its loss (the whole loss in one process).
-        Under context parallelism the model reads whole rows and predicts this rank's chunk of
-        them: `batch` holds the chunk's targets from here on."""
-        world, inputs, cp = self.env.world_size, batch.model_inputs(), {}
-        if self.context is not None:
-            batch, cp = local_targets(batch, self.context), {"context": self.context}
-        if world > 1:  # trained tokens per task (and in all) on every rank, known before forward
-            counts = torch.stack([((batch.labels_BS != IGNORE_INDEX) & (batch.task_BS == t)).sum()
-                                  for t in range(len(TASK_NAMES))]).to(torch.float64)
-            counts = all_reduce(torch.cat([counts, counts.sum()[None]]), self.env).tolist()
-        ssl_cfg = self.cfg.loss.visual_ssl
-        ssl_mask = self._ssl_mask(batch) if ssl_cfg.weight else None
-        # token weighting: the blank forward first, so its activations are gone before the graph's
-        tw = self.token_weighting
-        ce_blank_BS = tw.blank_ce(batch, counts if world > 1 else None, acc) if tw else None
-        with self.autocast():
-            out = self.model(**inputs, ssl_mask_N=ssl_mask, attn_stats=self._attn_acc is not None, **cp)
-        for layer, st in out.attn_stats.items():
-            row = torch.stack([st[k].double() for k in ATTN_COUNTS])
-            self._attn_acc[layer] = self._attn_acc.get(layer, 0) + row
-        losses = task_losses(out.logits_BSV, batch.labels_BS, batch.task_BS)
-        local_n = [int(losses.count[t]) for t in TASK_NAMES]
-        if world > 1:  # the same sum as one process would form over the global micro-batch
-            losses.count = {t: torch.tensor(int(counts[i]), device=self.device)
-                            for i, t in enumerate(TASK_NAMES)}
-        objective = losses if ce_blank_BS is None else tw.reweight(losses, ce_blank_BS, batch, acc)
-        loss = weighted_total(objective, weights)
-        if self.balancer.needs_grad_norms:
-            self._add_head_grads(out, batch, losses.count)
-        for aux in out.aux_losses.values():  # MoE balance and router z-loss: means over rows/tokens
-            loss = loss + (aux / world if world > 1 else aux)
-        if out.visual_ssl is not None:  # a mean per rank: gradients average it over ranks
-            loss = loss + ssl_cfg.weight * out.visual_ssl / world
-            acc["ssl"] += float(out.visual_ssl.detach())
-        if self.cfg.loss.z_loss:
-            z = z_loss(out.logits_BSV, batch.labels_BS)
-            if world > 1:
-                z = z * (batch.loss_mask_BS.sum() / max(counts[-1], 1.0))
-            loss = loss + self.cfg.loss.z_loss * z
-        loss = self.callbacks.on_loss(self, loss)  # e.g. fault injection's NaN
-        for t, n in zip(TASK_NAMES, local_n):
-            acc[f"sum_{t}"] += float(losses.loss_sum[t].detach())
-            acc[f"n_{t}"] += n
-            acc[f"hit_{t}"] += float(losses.correct[t])
-        real = batch.task_BS >= 0
-        acc["tokens"] += batch.num_tokens()
-        acc["visual"] += int((real & (batch.modality_BS != TEXT)).sum())
-        if self.dims.cp_rank == 0:  # the media are whole on every rank of a cp group
-            acc["media"] += batch.grid_thw_M3.shape[0]
-            acc["patches"] += batch.patches_NP.shape[0]
-        return loss
-
-    def _finish_attn_stats(self) -> None:
-        """Sum the layers' attention counts over micro-batches and ranks -> self.attn_stats."""
-        layers = sorted(self._attn_acc)
-        if not layers:
-            return
-        total_LC = all_reduce(torch.stack([self._attn_acc[i] for i in layers]), self.env).cpu()
-        sparse = self.raw_model.cfg.decoder.is_sparse
-        self.attn_stats = {
-            i: {"sparse": sparse(i), "kept_frac": float(c[1] / max(float(c[2]), 1.0)),
-                "keys_per_token": float(c[0] / max(float(c[3]), 1.0))} for i, c in zip(layers, total_LC)}
-
-    def _ssl_mask(self, batch: PackedBatch) -> torch.Tensor:
-        """Which patches the masked-patch term hides: a pure function of (seed, step, data-parallel
-        rank, batch), so the ranks of a cp group, which encode the same media, hide the same ones."""
-        cfg = self.cfg.loss.visual_ssl
-        gen = torch.Generator().manual_seed(hash((self.cfg.train.seed, self.step, self.dims.dp_rank,
-                                                  batch.patches_NP.shape[0])) % 2**63)
-        mask_N = make_ssl_mask(batch.grid_thw_M3.cpu(), cfg.mask_ratio, cfg.media_share, gen)
-        return mask_N.to(self.device)
-
-    def _add_head_grads(self, out, batch: PackedBatch, counts: dict[str, torch.Tensor]) -> None:
-        """GradNorm: add this micro-batch's per-task LM-head gradients (of the unweighted task means)."""
-        head = self.raw_model.decoder.lm_head
-        weight_VD = (self.raw_model.decoder.embed if head is None else head).weight
-        if hasattr(weight_VD, "full_tensor"):  # FSDP2 DTensor shard: gather it (every rank does)
-            weight_VD = weight_VD.full_tensor()
-        grads = head_grads(out.hidden_BSD.detach(), out.logits_BSV.detach(), batch.labels_BS, batch.task_BS,
-                           weight_VD.detach(), counts)
-        accum = self.cfg.train.grad_accum
-        for t, g_VD in grads.items():
-            self._head_g[t] = self._head_g.get(t, 0) + g_VD / accum
-
-    def _head_grad_norms(self, tasks) -> dict[str, float] | None:
-        """Norms of this step's per-task LM-head gradients (`tasks`: those with tokens on any rank),
-        summed over ranks first: a (3, V, D) all-reduce per step, GradNorm's distributed cost."""
-        if not self.balancer.needs_grad_norms:
-            return None
-        if self.env.distributed:
-            zeros_VD = torch.zeros(self.raw_model.decoder.embed.weight.shape, device=self.device)
-            stacked_TVD = torch.stack([self._head_g.get(t, zeros_VD) for t in TASK_NAMES])
-            all_reduce(stacked_TVD, self.env)
-            self._head_g = dict(zip(TASK_NAMES, stacked_TVD))
-        return {t: float(self._head_g[t].norm()) for t in tasks if t in self._head_g}
-
-    def _reduce(self, acc: dict) -> dict:
-        if not self.env.distributed:
-            return acc
-        vec = torch.tensor([acc[k] for k in _STATS], dtype=torch.float64, device=self.device)
-        return dict(zip(_STATS, all_reduce(vec, self.env).tolist()))
+        self.state.tokens_seen += int(total.tokens)
+        return self.objective.end_step(total, grad_norm=grad_norm, skipped=skipped, started=t_start)
 
     def _skip_step(self) -> None:
         """A non-finite loss or gradient: drop the update, count it, stop if it keeps happening."""
@@ -466,7 +336,7 @@ class Trainer:
 
     def pad_batch(self) -> PackedBatch:
         """A batch that adds nothing to any sum: pads a rank's val batches to the others' count."""
-        return dummy_batch(self.cfg.data.seq_len, self.cfg.model.vision.patch_dim)
+        return self.objective.pad_batch()
 
     def is_log_step(self, stats: StepStats) -> bool:
         """Whether this step's scalars go to TensorBoard (every `train.log_every` steps, and skips)."""
@@ -477,11 +347,10 @@ class Trainer:
         weights, lr = self.balancer.weights(), self.scheduler.get_last_lr()[0]
         self.log.progress(self.step, self._progress_line(s, weights))
         self.log.record({"step": self.step, "loss": s.loss, "task_loss": s.task_loss, "task_acc": s.task_acc,
-                         "weights": weights, "visual_ssl": s.visual_ssl, "grad_norm": s.grad_norm,
+                         "weights": weights, **s.terms, "grad_norm": s.grad_norm,
                          "lr": lr, "skipped": s.skipped, "tokens": s.tokens, "step_s": s.step_s,
                          "wait_s": s.data_wait_s, "task_tokens": s.task_tokens,
-                         **({"mix": self._mix.weights()} if self._mix is not None else {}),
-                         **({"token_weighting": s.token_weighting} if s.token_weighting else {})})
+                         **({"mix": self._mix.weights()} if self._mix is not None else {}), **s.figures})
         if s.skipped:
             self.log.info(f"step {self.step}: non-finite loss or gradient, update skipped "
                           f"({self.state.consecutive_skips} in a row, {self.state.skipped_steps} in all)")
@@ -498,7 +367,7 @@ class Trainer:
     def _progress_line(self, s: StepStats, weights: dict[str, float]) -> str:
         short = {"text": "txt", "image_text": "img", "video_text": "vid"}
         losses = " ".join(f"{short[t]} {v:.2f}" for t, v in s.task_loss.items())
-        w_info = "" if self.cfg.loss.balancer.kind == "static" else (
+        w_info = "" if not self.balancer.signals else (  # static: nothing moves them
             " | w " + "/".join(f"{weights[t]:.2f}" for t in TASK_NAMES))
         if self._mix is not None:
             w_info += " | mix " + "/".join(f"{v:.2f}" for v in self._mix.weights().values())
@@ -511,9 +380,8 @@ class Trainer:
         scalars.update({f"train/acc_{t}": v for t, v in s.task_acc.items()})
         scalars.update({f"train/weight_{t}": w for t, w in weights.items()})
         scalars.update(self.balancer.scalars())
-        if s.visual_ssl is not None:
-            scalars["train/loss_visual_ssl"] = s.visual_ssl
-        scalars.update({f"train/token_weighting_{k}": v for k, v in (s.token_weighting or {}).items()})
+        scalars.update({f"train/loss_{name}": v for name, v in s.terms.items() if v is not None})
+        scalars.update({f"train/{name}_{k}": v for name, fig in s.figures.items() for k, v in fig.items()})
         scalars.update({"train/loss": s.loss, "train/grad_norm": s.grad_norm, "train/lr": lr,
                         "train/skipped_steps": self.state.skipped_steps})
         return scalars

@@ -1,24 +1,42 @@
-"""Loss-weight balancers against their formulas worked by hand, checkpoint round trips, config checks,
-and the closed-form LM-head gradients for GradNorm against autograd."""
+"""Loss-weight balancers against their formulas worked by hand, checkpoint round trips, config checks
+(a section per kind; the flat keys of older configs still load), the signals each kind declares
+and receives, and the closed-form LM-head gradients for GradNorm against autograd."""
 
 from __future__ import annotations
 
 import io
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mmtrain.balance import KINDS, BalanceConfig, build_balancer
+from mmtrain.balance.base import BALANCERS
+from mmtrain.balance.signals import SIGNALS, check_signals
+from mmtrain.callbacks import Callbacks
+from mmtrain.config import ConfigError, from_dict, to_dict
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES
 from mmtrain.objectives import head_grad_norms, head_grads, task_losses
 
 BASE = {"text": 1.0, "image_text": 0.5, "video_text": 2.0}
 
 
-def make(kind: str, **kw):
-    return build_balancer(BalanceConfig(kind=kind, **kw), BASE)
+def make(kind: str, **knobs):
+    return build_balancer(from_dict(BalanceConfig, {"kind": kind, kind: knobs}), BASE)
+
+
+def observe(b, losses: dict, step: int, norms: dict | None = None) -> None:
+    """What the objective hands a balancer after a step: the step signals it declares."""
+    provided = {"task_loss": losses, "head_grad_norm": norms or {}}
+    if b.wants("step"):
+        b.observe({s: provided[s] for s in b.wants("step")}, step)
+
+
+def diagnose(b, gaps: dict, step: int) -> None:
+    """A diagnostics run's result reaching the balancer's on_diagnostics."""
+    b.on_diagnostics(SimpleNamespace(step=step), SimpleNamespace(reliance_gap=gaps, mismatch_gap={}))
 
 
 def assert_weights(balancer, mult: dict[str, float]) -> None:
@@ -34,14 +52,39 @@ def dwa_mult(ratio: dict[str, float], temperature: float) -> dict[str, float]:
 
 # -- config ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field, value", [
-    ("kind", "softmax"), ("temperature", 0.0), ("window", 0), ("lr", 0.0), ("lr", -1.0), ("alpha", -0.1),
-    ("min_gap", -0.01), ("tolerance", 1.5), ("tolerance", -0.1), ("gain", 0.9), ("decay", 1.1),
-    ("max_weight", 0.5), ("min_weight", 0.0), ("min_weight", 1.5),
+@pytest.mark.parametrize("kind, field, value", [
+    ("dwa", "temperature", 0.0), ("dwa", "window", 0), ("uncertainty", "lr", 0.0), ("gradnorm", "lr", -1.0),
+    ("gradnorm", "alpha", -0.1), ("reliance_guard", "min_gap", -0.01), ("reliance_guard", "tolerance", 1.5),
+    ("reliance_guard", "tolerance", -0.1), ("reliance_guard", "gain", 0.9), ("reliance_guard", "decay", 1.1),
+    ("reliance_guard", "max_weight", 0.5), ("gradnorm", "min_weight", 0.0), ("gradnorm", "min_weight", 1.5),
 ])
-def test_bad_config_values_raise(field, value):
+def test_bad_config_values_raise(kind, field, value):
     with pytest.raises(ValueError, match=f"^{field}: must be"):
-        BalanceConfig(**{field: value})
+        BALANCERS[kind].Config(**{field: value})
+    with pytest.raises(ConfigError, match=f"loss.balancer.{kind}.{field}: must be"):
+        from_dict(BalanceConfig, {kind: {field: value}}, prefix="loss.balancer.")
+
+
+def test_the_config_has_kind_and_one_section_per_registered_kind():
+    with pytest.raises(ValueError, match="^kind: must be"):
+        BalanceConfig(kind="softmax")
+    assert list(to_dict(BalanceConfig())) == ["kind", *KINDS]
+    cfg = from_dict(BalanceConfig, {"kind": "dwa", "dwa": {"window": 3}})
+    assert build_balancer(cfg, BASE).cfg == BALANCERS["dwa"].Config(window=3)
+
+
+def test_flat_keys_of_older_configs_go_to_every_kind_that_has_them():
+    old = {"kind": "gradnorm", "temperature": 3.0, "window": 5, "lr": 0.5, "alpha": 1.0, "min_gap": 0.1,
+           "tolerance": 0.3, "gain": 2.0, "decay": 0.4, "max_weight": 3.0, "min_weight": 0.1}  # all of them
+    cfg = from_dict(BalanceConfig, old)
+    assert (cfg.dwa.temperature, cfg.dwa.window, cfg.uncertainty.lr) == (3.0, 5, 0.5)
+    assert (cfg.gradnorm.lr, cfg.gradnorm.alpha, cfg.gradnorm.min_weight) == (0.5, 1.0, 0.1)
+    assert cfg.reliance_guard == BALANCERS["reliance_guard"].Config(0.1, 0.3, 2.0, 0.4, 3.0)
+    assert from_dict(BalanceConfig, to_dict(cfg)) == cfg
+    section_wins = from_dict(BalanceConfig, {"window": 5, "dwa": {"window": 7}})
+    assert section_wins.dwa.window == 7
+    with pytest.raises(ConfigError, match="typo: unknown key"):
+        from_dict(BalanceConfig, {"typo": 1})
 
 
 def test_unknown_kind_and_missing_base_weights_raise():
@@ -53,10 +96,29 @@ def test_unknown_kind_and_missing_base_weights_raise():
         build_balancer(BalanceConfig(), {"text": 1.0, "image_text": 1.0})
 
 
-def test_needs_flags():
-    flags = {kind: (make(kind).needs_grad_norms, make(kind).needs_reliance) for kind in KINDS}
-    assert flags == {"static": (False, False), "dwa": (False, False), "uncertainty": (False, False),
-                     "gradnorm": (True, False), "reliance_guard": (False, True)}
+def test_each_kind_declares_known_signals_and_is_the_checkpoint_part_balancer():
+    declared = {kind: BALANCERS[kind].signals for kind in KINDS}
+    assert declared == {"static": (), "dwa": ("task_loss",), "uncertainty": ("task_loss",),
+                        "gradnorm": ("task_loss", "head_grad_norm"), "reliance_guard": ("reliance_gap",)}
+    assert all(s in SIGNALS for signals in declared.values() for s in signals)
+    for kind in KINDS:  # older checkpoints hold the balancer's state under "balancer"
+        assert list(Callbacks([make(kind)]).parts(per_rank=False)) == ["balancer"]
+
+
+@pytest.mark.parametrize("signals, diag, cp, error", [
+    (("task_loss",), {"every": 0, "mismatch": False}, 1, None),
+    (("reliance_gap",), {"every": 0, "mismatch": True}, 1, "set diagnostics.every > 0"),
+    (("mismatch_gap",), {"every": 10, "mismatch": False}, 1, "set diagnostics.mismatch: true"),
+    (("mismatch_gap",), {"every": 10, "mismatch": True}, 1, None),
+    (("head_grad_norm",), {"every": 0, "mismatch": False}, 2, "dist.cp: > 1 does not combine"),
+])
+def test_a_declared_signal_the_config_cannot_provide_is_named(signals, diag, cp, error):
+    cfg = SimpleNamespace(diagnostics=SimpleNamespace(**diag), dist=SimpleNamespace(cp=cp))
+    if error is None:
+        check_signals(cfg, signals, "loss.balancer.kind: toy")
+    else:
+        with pytest.raises(ValueError, match=error):
+            check_signals(cfg, signals, "loss.balancer.kind: toy")
 
 
 # -- static -----------------------------------------------------------------------------------------------
@@ -64,8 +126,8 @@ def test_needs_flags():
 def test_static_weights_never_change():
     b = make("static")
     for step in range(1, 6):
-        b.observe({"text": 5.0 / step, "image_text": 1.0}, step, {"text": 1.0})
-        b.observe_reliance({"image_text": 0.0}, step)
+        observe(b, {"text": 5.0 / step, "image_text": 1.0}, step, {"text": 1.0})
+        diagnose(b, {"image_text": 0.0}, step)
     assert b.weights() == BASE
     assert b.scalars() == {}
     b.load_state_dict({"weights": {"text": 9.0}})  # a checkpoint from before the adaptive balancers
@@ -86,14 +148,14 @@ def test_dwa_ratio_of_window_means():
     ]
     ones = dict.fromkeys(TASK_NAMES, 1.0)
     for step, losses in enumerate(history[:3], start=1):
-        b.observe(losses, step)
+        observe(b, losses, step)
         assert_weights(b, ones)  # one window seen: r = 1 for all
-    b.observe(history[3], 4)
+    observe(b, history[3], 4)
     ratio = {"text": 1.5 / 3.0, "image_text": 4.5 / 6.0, "video_text": 1.0}  # video: only one window yet
     assert_weights(b, dwa_mult(ratio, 2.0))
-    b.observe(history[4], 5)
+    observe(b, history[4], 5)
     assert_weights(b, dwa_mult(ratio, 2.0))  # mid-window: unchanged
-    b.observe(history[5], 6)
+    observe(b, history[5], 6)
     ratio = {"text": 1.0 / 1.5, "image_text": 3.0 / 4.5, "video_text": 4.0 / 5.0}  # video: its windows 1, 3
     assert_weights(b, dwa_mult(ratio, 2.0))
     assert b.scalars()["balance/dwa_ratio_video_text"] == pytest.approx(0.8)
@@ -113,7 +175,7 @@ def test_uncertainty_closed_form_steps():
     lr = 0.1
     b = make("uncertainty", lr=lr)
     for step, losses in enumerate(UNC_HISTORY, start=1):
-        b.observe(losses, step)
+        observe(b, losses, step)
     s_text = 0.0 - lr * (1 - 2.0)
     s_text = s_text - lr * (1 - math.exp(-s_text) * 1.5)
     s_text = s_text - lr * (1 - math.exp(-s_text) * 1.0)
@@ -137,16 +199,16 @@ def test_uncertainty_step_equals_sgd_on_the_objective():
         objective = sum(torch.exp(-s_K[k]) * losses[t] + s_K[k] for k, t in present)
         objective.backward()
         opt.step()
-        b.observe(losses, step)
+        observe(b, losses, step)
         for k, t in enumerate(TASK_NAMES):
             assert b.log_var[t] == pytest.approx(float(s_K[k].detach()), rel=1e-12, abs=1e-15)
 
 
 def test_non_finite_losses_are_ignored():
     b = make("uncertainty")
-    b.observe({"text": 2.0}, 1)
+    observe(b, {"text": 2.0}, 1)
     before = b.state_dict()
-    b.observe({"text": float("nan"), "image_text": float("inf")}, 2)
+    observe(b, {"text": float("nan"), "image_text": float("inf")}, 2)
     assert b.state_dict() == before
 
 
@@ -156,7 +218,7 @@ def test_gradnorm_steps_by_hand():
     lr, alpha = 0.1, 1.5
     b = make("gradnorm", lr=lr, alpha=alpha, min_weight=0.05)
     # step 1: L = L(0), so r = 1 and every target is Gbar = (1 + 2 + 0.5) / 3 = 7/6
-    b.observe({"text": 2.0, "image_text": 4.0, "video_text": 3.0}, 1,
+    observe(b, {"text": 2.0, "image_text": 4.0, "video_text": 3.0}, 1,
               {"text": 1.0, "image_text": 2.0, "video_text": 0.5})
     w = {"text": 1 + lr * 1.0, "image_text": 1 - lr * 2.0, "video_text": 1 + lr * 0.5}  # signs -, +, -
     w = {t: v * 3 / sum(w.values()) for t, v in w.items()}
@@ -165,7 +227,7 @@ def test_gradnorm_steps_by_hand():
     # step 2: Ltilde = (0.5, 0.9, 0.5); image's grad norm 20 drives it into the floor
     g = {"text": 1.0, "image_text": 20.0, "video_text": 0.2}
     lt = {"text": 1.0 / 2.0, "image_text": 3.6 / 4.0, "video_text": 1.5 / 3.0}
-    b.observe({"text": 1.0, "image_text": 3.6, "video_text": 1.5}, 2, g)
+    observe(b, {"text": 1.0, "image_text": 3.6, "video_text": 1.5}, 2, g)
     G = {t: w[t] * g[t] for t in TASK_NAMES}
     g_mean, lt_mean = sum(G.values()) / 3, sum(lt.values()) / 3
     target = {t: g_mean * (lt[t] / lt_mean) ** alpha for t in TASK_NAMES}
@@ -178,13 +240,13 @@ def test_gradnorm_steps_by_hand():
     assert b.scalars()["balance/loss_ratio_image_text"] == pytest.approx(0.9)
 
     # step 3: video only has a grad norm, image only a loss -> only text steps, alone: G = target, no change
-    b.observe({"text": 0.8, "image_text": 3.0}, 3, {"text": 1.0, "video_text": 5.0})
+    observe(b, {"text": 0.8, "image_text": 3.0}, 3, {"text": 1.0, "video_text": 5.0})
     assert_weights(b, w)
 
     # step 4: text and image step; video keeps its weight and the two keep their sum
     g = {"text": 1.0, "image_text": 1.0}
     lt = {"text": 0.8 / 2.0, "image_text": 3.2 / 4.0}
-    b.observe({"text": 0.8, "image_text": 3.2}, 4, g)
+    observe(b, {"text": 0.8, "image_text": 3.2}, 4, g)
     G = {t: w[t] * g[t] for t in g}
     g_mean, lt_mean = sum(G.values()) / 2, sum(lt.values()) / 2
     target = {t: g_mean * (lt[t] / lt_mean) ** alpha for t in g}
@@ -200,7 +262,7 @@ def test_gradnorm_steps_by_hand():
 
 def test_reliance_guard_raises_on_shrinking_gap_and_relaxes_otherwise():
     b = make("reliance_guard")  # min_gap 0.05, tolerance 0.25, gain 1.5, decay 0.5, max 4
-    b.observe({"text": 3.0, "image_text": 9.0}, 1)  # no-op for this balancer
+    observe(b, {"text": 3.0, "image_text": 9.0}, 1)  # no-op for this balancer
     checks = [
         # (image gap, image mult after), (video gap, video mult after)
         ((0.40, 1.0), (0.01, 1.5)),  # image healthy (best 0.4); video collapsed
@@ -210,14 +272,14 @@ def test_reliance_guard_raises_on_shrinking_gap_and_relaxes_otherwise():
         ((0.50, 1.3125), (0.20, 2.5)),  # new best 0.5; video healthy: 1 + 3 * 0.5
     ]
     for step, ((g_img, w_img), (g_vid, w_vid)) in enumerate(checks, start=1):
-        b.observe_reliance({"image_text": g_img, "video_text": g_vid}, step * 10)
+        diagnose(b, {"image_text": g_img, "video_text": g_vid}, step * 10)
         assert_weights(b, {"text": 1.0, "image_text": w_img, "video_text": w_vid})
-    b.observe_reliance({"image_text": 0.30}, 60)  # 0.3 < 0.75 * 0.5: raised; video absent: kept
+    diagnose(b, {"image_text": 0.30}, 60)  # 0.3 < 0.75 * 0.5: raised; video absent: kept
     assert_weights(b, {"text": 1.0, "image_text": 1.3125 * 1.5, "video_text": 2.5})
     assert b.scalars()["balance/best_gap_image_text"] == 0.5
     assert b.scalars()["balance/best_gap_video_text"] == 0.2
     with pytest.raises(ValueError, match="text"):
-        b.observe_reliance({"text": 0.1}, 70)
+        diagnose(b, {"text": 0.1}, 70)
 
 
 # -- missing tasks, checkpoints ------------------------------------------------------------------------------
@@ -225,10 +287,10 @@ def test_reliance_guard_raises_on_shrinking_gap_and_relaxes_otherwise():
 @pytest.mark.parametrize("kind", ["static", "uncertainty", "gradnorm"])
 def test_missing_task_keeps_its_weight(kind):
     b = make(kind)
-    b.observe({"text": 2.0, "image_text": 3.0, "video_text": 4.0}, 1,
+    observe(b, {"text": 2.0, "image_text": 3.0, "video_text": 4.0}, 1,
               {"text": 1.0, "image_text": 0.5, "video_text": 2.0})
     video = b.weights()["video_text"]
-    b.observe({"text": 1.0, "image_text": 3.5}, 2, {"text": 1.0, "image_text": 0.5})
+    observe(b, {"text": 1.0, "image_text": 3.5}, 2, {"text": 1.0, "image_text": 0.5})
     assert b.weights()["video_text"] == video
 
 
@@ -247,9 +309,9 @@ def history(n: int, seed: int = 0):
 
 def feed(b, steps, start: int) -> None:
     for step, (losses, norms, gaps) in enumerate(steps, start=start):
-        b.observe(losses, step, norms)
+        observe(b, losses, step, norms)
         if gaps is not None:
-            b.observe_reliance(gaps, step)
+            diagnose(b, gaps, step)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -6,6 +6,7 @@ Legend: B rows, S sequence, V vocabulary, R rows taken.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -15,9 +16,11 @@ import torch
 from mmtrain.config import apply_override, from_dict
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_IMAGE_TEXT, TASK_TEXT, TASK_VIDEO_TEXT
 from mmtrain.evaluate import blank_media
+from mmtrain.objective import StepSums
 from mmtrain.objectives import media_tokens, reliance_weights, reweighted, take_rows, task_losses
 from mmtrain.run_config import RunConfig
-from mmtrain.trainer import _STATS, Trainer
+from mmtrain.token_weighting import TokenWeightingSums
+from mmtrain.trainer import Trainer
 
 
 # ----- the weights --------------------------------------------------------------------------------
@@ -133,14 +136,14 @@ def _snapshot(trainer: Trainer) -> dict:
 def test_the_blank_forward_leaves_training_state_alone(weighted, batch):
     weighted.model.train()
     moe = next(iter(weighted.raw_model.moe_layers().values()))
-    before, acc = _snapshot(weighted), {"tw_s": 0.0}
-    ce_blank_BS = weighted.token_weighting.blank_ce(batch, None, acc)
+    before, sums = _snapshot(weighted), TokenWeightingSums()
+    ce_blank_BS = weighted.objective.token_weighting.blank_ce(batch, None, sums)
     after = _snapshot(weighted)
     assert after["flags"] == before["flags"] and all(before["flags"])
     assert torch.equal(after["rng"], before["rng"])
     for name, t in before["tensors"].items():
         assert torch.equal(after["tensors"][name], t), name  # params, MoE load_E and expert_bias_E
-    assert acc["tw_s"] > 0
+    assert sums.seconds > 0
     # it is the blanked batch's CE on the media rows (0 elsewhere) ...
     rows_R = _rows(batch)
     with torch.no_grad():
@@ -158,17 +161,17 @@ def test_the_blank_forward_leaves_training_state_alone(weighted, batch):
     moe.load_E.zero_()
 
 
-def _step(trainer: Trainer, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
-    """One micro-batch from the trainer's initial weights: (loss, grads, acc)."""
+def _step(trainer: Trainer, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], StepSums]:
+    """One micro-batch from the trainer's initial weights: (loss, grads, the step's sums)."""
     trainer.model.train()
     trainer.optimizer.zero_grad(set_to_none=True)
-    acc = dict.fromkeys(_STATS, 0.0)
-    loss = trainer._micro_batch(batch, trainer.balancer.weights(), acc)
+    sums = trainer.objective.begin_step(trainer.step)
+    loss = trainer.objective.micro_batch(batch, sums)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.raw_model.named_parameters() if p.grad is not None}
     for moe in trainer.raw_model.moe_layers().values():
         moe.load_E.zero_()
-    return loss.detach(), grads, acc
+    return loss.detach(), grads, sums
 
 
 def test_off_is_bit_identical_and_on_keeps_the_logged_losses(raw_for, tmp_path_factory, weighted, batch):
@@ -179,16 +182,16 @@ def test_off_is_bit_identical_and_on_keeps_the_logged_losses(raw_for, tmp_path_f
     loss1, grads1, acc1 = _step(off, batch)
     assert torch.equal(loss1, loss0) and grads1.keys() == grads0.keys()
     assert all(torch.equal(grads1[n], g) for n, g in grads0.items())
-    assert acc1 == acc0 and acc1["tw_s"] == 0
+    assert acc1 == acc0 and acc1.token_weighting.seconds == 0
     # on: the same forward (logged, balanced task losses unchanged), another objective and gradient
     loss2, grads2, acc2 = _step(weighted, batch)
-    assert {k: v for k, v in acc2.items() if not k.startswith("tw_")} == {
-        k: v for k, v in acc0.items() if not k.startswith("tw_")}
+    assert dataclasses.replace(acc2, token_weighting=TokenWeightingSums()) == acc0
     assert not torch.equal(loss2, loss0)
     assert any(not torch.equal(grads2[n], g) for n, g in grads0.items())
     n = int(media_tokens(batch.labels_BS, batch.task_BS).sum())
-    assert acc2["tw_n"] == n and acc2["tw_s"] > 0 and acc2["tw_delta"] >= 0
-    assert acc2["tw_top_n"] == math.ceil(n / 10) and acc2["tw_top"] / acc2["tw_top_n"] > 1
+    tw = acc2.token_weighting
+    assert tw.tokens == n and tw.seconds > 0 and tw.delta >= 0
+    assert tw.top_n == math.ceil(n / 10) and tw.top / tw.top_n > 1
 
 
 def test_a_tiny_run_with_token_weighting_trains(raw_for, tmp_path_factory):

@@ -1,0 +1,45 @@
+"""The signals a balancer may declare, who provides each, and what the run config must have for it.
+
+    task_loss       step: per-token mean loss of each task in the step (all ranks)   (objective)
+    head_grad_norm  step: ||d L_task / d W_lm_head|| per task, closed form           (objective)
+    reliance_gap    diagnostics: loss with the media blanked - with them, per media task
+    mismatch_gap    diagnostics: loss with another document's media - with its own
+
+`check_signals(cfg, signals, who)` is RunConfig's one check for any declaring component: a
+diagnostics signal needs `diagnostics.every`; a whole-row signal does not combine with `dist.cp`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Signal:
+    source: str  # "step" (the objective, after each step not skipped) | "diagnostics" (each run)
+    attr: str = ""  # diagnostics: the DiagResult property that holds it
+    needs: str = ""  # diagnostics: a DiagConfig flag that must be on besides `every`
+    whole_rows: bool = False  # computed from forwards of whole rows: not under context parallelism
+
+
+SIGNALS = {
+    "task_loss": Signal("step"),
+    "head_grad_norm": Signal("step", whole_rows=True),
+    "reliance_gap": Signal("diagnostics", attr="reliance_gap"),
+    "mismatch_gap": Signal("diagnostics", attr="mismatch_gap", needs="mismatch"),
+}
+
+
+def check_signals(cfg: Any, signals: tuple[str, ...], who: str) -> None:
+    """Raise ValueError naming `who` (a dotted key and its value) when `cfg` (a RunConfig) cannot
+    provide one of `signals`."""
+    for name in signals:
+        sig = SIGNALS[name]
+        if sig.source == "diagnostics" and not cfg.diagnostics.every:
+            raise ValueError(f"{who} reads the {name} of the diagnostics: set diagnostics.every > 0")
+        if sig.needs and not getattr(cfg.diagnostics, sig.needs):
+            raise ValueError(f"{who} reads the {name}: set diagnostics.{sig.needs}: true")
+        if sig.whole_rows and cfg.dist.cp > 1:
+            raise ValueError(f"dist.cp: > 1 does not combine with {who} (its {name} takes whole-row "
+                             "forwards)")

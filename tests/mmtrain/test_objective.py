@@ -1,0 +1,127 @@
+"""The objective without a Trainer: a model, a batch and a balancer. Its loss is the sum of the
+terms the config names, its step sums count what the batch holds, GradNorm's closed-form head
+gradient norms equal autograd's, token weighting changes the optimised loss but not the logged
+one, the SSL term adds weight x the masked-patch loss, and a log step measures attention.
+
+Legend: V vocabulary, D width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mmtrain.balance import build_balancer
+from mmtrain.config import apply_override, from_dict
+from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES
+from mmtrain.data_pipelines.loader import build_loader
+from mmtrain.data_pipelines.tokenizer import load_tokenizer
+from mmtrain.distributed import current_env
+from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.objective import Objective, StepSums
+from mmtrain.objectives import media_tokens, task_losses, weighted_total, z_loss
+from mmtrain.run_config import RunConfig
+from mmtrain.token_weighting import TokenWeightingSums
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def setup(raw_for, tmp_path_factory):
+    """(a config maker, a model in train mode, a train batch holding text and media tasks)."""
+    raw = raw_for(tmp_path_factory.mktemp("objective"))
+
+    def make(overrides=()):
+        r = {**raw, "loss": {**raw["loss"]}}
+        for item in ["model.vision.ssl_head=true", "train.log_every=1", *overrides]:
+            apply_override(r, item)
+        cfg = from_dict(RunConfig, r, source="objective-test")
+        cfg.model.decoder.vocab_size = tokenizer.vocab_size
+        return cfg
+
+    tokenizer = load_tokenizer(raw["data"]["tokenizer"])
+    cfg = make()
+    torch.manual_seed(0)
+    model = MultimodalModel(cfg.model).train()
+    for batch, _ in zip(build_loader(cfg.data, tokenizer, "train", 0, 1), range(50)):
+        if media_tokens(batch.labels_BS, batch.task_BS).any() and (batch.task_BS == 0).any():
+            return make, model, batch
+    pytest.fail("no train batch holds both text and media-task tokens")
+
+
+def objective(make, model, overrides=()) -> Objective:
+    cfg = make(overrides)
+    balancer = build_balancer(cfg.loss.balancer, {t: getattr(cfg.loss, t) for t in TASK_NAMES})
+    return Objective(cfg, model, balancer, env=current_env(), device=CPU)
+
+
+def one_step(obj: Objective, batch) -> tuple[torch.Tensor, StepSums]:
+    sums = obj.begin_step(0)
+    loss = obj.micro_batch(batch, sums)
+    obj.end_backward()
+    return loss, sums
+
+
+def test_the_loss_is_the_sum_of_its_terms_and_the_sums_count_the_batch(setup):
+    make, model, batch = setup
+    obj = objective(make, model, ["loss.text=0.5", "loss.z_loss=0.01"])
+    loss, sums = one_step(obj, batch)
+    out = model(**batch.model_inputs())
+    losses = task_losses(out.logits_BSV, batch.labels_BS, batch.task_BS)
+    want = weighted_total(losses, obj.weights) + sum(out.aux_losses.values())
+    want = want + 0.01 * z_loss(out.logits_BSV, batch.labels_BS)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    trained_BS = batch.labels_BS != IGNORE_INDEX
+    for i, t in enumerate(TASK_NAMES):
+        assert sums.task_tokens[t] == int((trained_BS & (batch.task_BS == i)).sum())
+    assert sums.tokens == batch.num_tokens() and sums.media == batch.grid_thw_M3.shape[0]
+    assert sums.reduce(current_env(), CPU) is sums  # one process: nothing to reduce
+    stats = obj.end_step(sums, grad_norm=1.0, skipped=False, started=0.0)
+    assert stats.task_loss == {t: sums.task_ce[t] / sums.task_tokens[t] for t in TASK_NAMES
+                               if sums.task_tokens[t]}
+    assert stats.terms == {"visual_ssl": None} and stats.figures == {}
+    assert set(obj.attn_stats) and all(a["keys_per_token"] > 0 for a in obj.attn_stats.values())
+
+
+def test_gradnorm_gets_the_autograd_norms_of_the_task_means_at_the_lm_head(setup):
+    make, model, batch = setup
+    obj = objective(make, model, ["loss.balancer.kind=gradnorm"])
+    _, sums = one_step(obj, batch)
+    obj.end_step(sums, grad_norm=1.0, skipped=False, started=0.0)
+    head = model.decoder.lm_head if model.decoder.lm_head is not None else model.decoder.embed
+    out = model(**batch.model_inputs())
+    losses = task_losses(out.logits_BSV, batch.labels_BS, batch.task_BS)
+    for t in TASK_NAMES:
+        if int(losses.count[t]):
+            (g_VD,) = torch.autograd.grad(losses.mean(t), head.weight, retain_graph=True)
+            assert obj.balancer.grad_norm[t] == pytest.approx(float(g_VD.norm()), rel=1e-4), t
+    skipped = objective(make, model, ["loss.balancer.kind=gradnorm"])
+    _, sums = one_step(skipped, batch)
+    skipped.end_step(sums, grad_norm=float("nan"), skipped=True, started=0.0)
+    assert skipped.balancer.grad_norm == {}  # a skipped step is not observed
+
+
+def test_token_weighting_moves_the_loss_not_the_logged_sums(setup):
+    make, model, batch = setup
+    plain_loss, plain = one_step(objective(make, model), batch)
+    tw_loss, weighted = one_step(objective(make, model, ["loss.token_weighting.strength=1"]), batch)
+    assert dataclasses.replace(weighted, token_weighting=TokenWeightingSums()) == plain
+    assert not torch.equal(tw_loss, plain_loss)
+    tw = weighted.token_weighting
+    assert tw.tokens == int(media_tokens(batch.labels_BS, batch.task_BS).sum()) and tw.seconds > 0
+    figures = tw.figures(world=1)
+    assert figures["top_decile_weight"] > 1 and figures["mean_delta"] >= 0
+
+
+def test_the_ssl_term_adds_its_weight_times_the_masked_patch_loss(setup):
+    make, model, batch = setup
+    half_loss, half = one_step(objective(make, model, ["loss.visual_ssl.weight=0.5"]), batch)
+    full_loss, full = one_step(objective(make, model, ["loss.visual_ssl.weight=1.0"]), batch)
+    assert half.visual_ssl == full.visual_ssl > 0  # the same mask: a function of seed, step, batch
+    torch.testing.assert_close(full_loss - half_loss, torch.tensor(0.5 * full.visual_ssl),
+                               rtol=1e-5, atol=1e-6)
+    obj = objective(make, model, ["loss.visual_ssl.weight=0.5"])
+    stats = obj.end_step(half, grad_norm=1.0, skipped=False, started=0.0)
+    assert stats.terms == {"visual_ssl": half.visual_ssl}
