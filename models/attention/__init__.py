@@ -23,17 +23,17 @@ causality is a property, tested as one (test_attention_properties.py, test_causa
 Selection is stored as O(S * k) doc-relative ids per selection head (`Selection`); nothing in the
 sparse path is S x S or blocks x blocks.
 
-Backends (same function): `dense` (reference; eager fp32 or SDPA with the materialised mask,
-O(S^2)); `gather` (pure PyTorch, trainable on CPU/GPU: sparse layers on the aligned layout where
-every document starts a block, full layers on the row layout, each tile visiting a range of
-blocks; the tiles' attention one fused SDPA call per chunk, or the eager reference kernel);
-`sdpa` (full layers: PyTorch's fused SDPA per document, is_causal where the structure allows,
-the token-rule mask for grouped short documents and the rows of visual spans; sdpa.py);
-`flex` (FlexAttention BlockMask + mask_mod, the CUDA training path; compiled flex on CPU is
-inference only); `flash` (flash-attn varlen, full layers of span-free batches; absent -> one
-warning and a fallback). `auto`: sparse -> flex on CUDA, gather on CPU; full -> flash if usable,
-else flex on CUDA, sdpa on CPU. Under torch.compile the data-dependent CPU paths (sdpa, the
-sparse gather path with its selection) run as opaque custom ops (opaque.py): no graph break.
+Backends (same function), a registry (registry.py: each entry states its layer kinds, devices,
+backward, compiled path, optional package, per-call check and fallback; `resolve` picks one for
+eager calls, compiled calls and the custom ops' bodies alike): `dense` (reference; eager fp32 or
+SDPA with the materialised mask, O(S^2)); `gather` (pure PyTorch, trainable on CPU/GPU: sparse
+layers on the aligned layout, full layers on the row layout, tiles visiting ranges of blocks);
+`sdpa` (full layers: fused SDPA per document; documents split across a row -> gather); `flex`
+(FlexAttention BlockMask + mask_mod, the CUDA training path; CPU: forward only); `flash`
+(flash-attn varlen, full layers of span-free half-precision batches -> flex / gather). `auto`:
+sparse -> flex on CUDA, gather on CPU; full -> flash if usable, else flex on CUDA, sdpa on CPU.
+Under torch.compile a backend's host-sized paths (sdpa, the sparse gather path with its
+selection) run as opaque custom ops (opaque.py): no graph break.
 `recompute_probs` rebuilds attention rows from a capture with exactly the layer's mask;
 `counts` says what a layer visited (keys, kept blocks).
 """

@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from . import flash
+from . import dense, flash, flex, gather, sdpa  # noqa: F401  (each registers its backend)
 from .config import AttentionConfig
 from .context import ContextShard, attend_context
 from .counts import full_counts, sparse_counts
-from .dense import attend_dense
-from .flex import attend_flex
-from .gather import attend_gather_full, attend_gather_sparse
 from .meta import AttnMeta
-from .opaque import attend_sparse_opaque
-from .sdpa import attend_sdpa_full
-from .select import select_blocks
+from .registry import FULL, SPARSE, resolve
+from .select import Selection, select_blocks
 
 Tensor = torch.Tensor
 
@@ -36,21 +32,8 @@ def _check(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: 
 
 
 def resolve_backend(cfg: AttentionConfig, q_BHSD: Tensor, meta: AttnMeta, sparse: bool) -> str:
-    """The backend that will run: cfg.backend, with auto resolved and flash falling back when unusable.
-
-    auto: sparse -> flex on CUDA, gather elsewhere; full -> flash if usable, else flex on CUDA,
-    else sdpa (fused SDPA per document, sdpa.py). sdpa on a sparse layer -> gather.
-    """
-    backend = cfg.backend
-    if backend == "sdpa" or (backend == "auto" and not q_BHSD.is_cuda):
-        return "gather" if sparse else "sdpa"
-    if backend == "auto" and not sparse and q_BHSD.is_cuda and flash.usable(q_BHSD, meta, sparse):
-        return "flash"
-    if backend == "flash" and flash.usable(q_BHSD, meta, sparse):
-        return "flash"
-    if backend in ("auto", "flash"):
-        return "flex" if q_BHSD.is_cuda else "gather"
-    return backend
+    """The name of the backend that runs this call (registry.resolve: auto and fallbacks resolved)."""
+    return resolve(cfg, q_BHSD, meta, sparse).name
 
 
 def attend(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
@@ -63,16 +46,25 @@ def attend(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: 
     "selection" (the `Selection` of picks). With `stats`, stores what the layer visits
     (counts.py: keys, kept and reachable blocks, tokens; scalar tensors). With `context`, q, k, v
     are this rank's chunk of every row (context.py; the gather kernel, any backend asked for).
+    Under torch.compile a backend's `opaque` layer kinds run as its custom op (opaque.py).
     """
     if context is not None:
         if capture is not None or stats is not None:
             raise ValueError("attend: capture and stats need whole rows (run without context parallelism)")
         return attend_context(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sparse, context)
     _check(q_BHSD, k_BKSD, v_BKSD, meta, cfg)
-    if (sparse and capture is None and stats is None and torch.compiler.is_compiling()
-            and resolve_backend(cfg, q_BHSD, meta, sparse) == "gather"):
-        return attend_sparse_opaque(q_BHSD, k_BKSD, v_BKSD, meta, cfg)  # selection + gather: one op
-    sel = select_blocks(q_BHSD, k_BKSD, meta, cfg) if sparse else None
+    backend = resolve(cfg, q_BHSD, meta, sparse)
+    op = backend.opaque.get(SPARSE if sparse else FULL) if torch.compiler.is_compiling() else None
+    measured = capture is not None or stats is not None
+    sel = select_blocks(q_BHSD, k_BKSD, meta, cfg) if sparse and (op is None or measured) else None
+    _measure(q_BHSD, k_BKSD, meta, cfg, sparse, sel, capture, stats)
+    if op is not None:
+        return op(q_BHSD, k_BKSD, v_BKSD, meta, cfg)
+    return backend.run(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel).to(q_BHSD.dtype)
+
+
+def _measure(q_BHSD: Tensor, k_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig, sparse: bool,
+             sel: Selection | None, capture: dict | None, stats: dict | None) -> None:
     if capture is not None:
         capture["q"] = q_BHSD.detach()
         capture["k"] = k_BKSD.detach()
@@ -80,21 +72,3 @@ def attend(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: 
             capture["selection"] = sel
     if stats is not None:
         stats.update(sparse_counts(meta, cfg, sel) if sparse else full_counts(meta))
-    backend = resolve_backend(cfg, q_BHSD, meta, sparse)
-    out = attend_sdpa_full(q_BHSD, k_BKSD, v_BKSD, meta, cfg.sdpa_group) if backend == "sdpa" else None
-    if out is None:
-        out = _run(backend, q_BHSD, k_BKSD, v_BKSD, meta, cfg, sparse, sel)
-    return out.to(q_BHSD.dtype)
-
-
-def _run(backend: str, q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
-         sparse: bool, sel) -> Tensor:
-    if backend in ("gather", "sdpa"):  # sdpa here: documents that are not contiguous runs
-        if sparse:
-            return attend_gather_sparse(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
-        return attend_gather_full(q_BHSD, k_BKSD, v_BKSD, meta, cfg)
-    if backend == "flex":
-        return attend_flex(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
-    if backend == "flash":
-        return flash.attend_flash(q_BHSD, k_BKSD, v_BKSD, meta)
-    return attend_dense(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel, eager=cfg.dense_impl == "eager")

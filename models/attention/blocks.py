@@ -6,7 +6,7 @@ document-relative (meta.py); nq is the query's block, nk the key's:
   * window:  nq - ceil(window / Bs) <= nk < nq;
   * sink:    nk == 0 (cfg.sink);
   * visual:  nk < nq and block nk holds a visual token (cfg.visual_always);
-  * closure: clo <= nk <= chi, the blocks of the query's own visual span (text: none);
+  * closure: span_lo <= nk <= span_hi, the blocks of the query's own visual span (text: none);
   * picks:   nk is one of the query's top-k picks (select.py: completed earlier blocks only).
 Everything a query keeps is known from its own document's tokens at positions <= its own (plus
 its own visual span): the rule is causal by construction, and the tests check it as a property.
@@ -34,11 +34,11 @@ def window_blocks(cfg: AttentionConfig) -> int:
     return -(-cfg.window // cfg.block_size)
 
 
-def kept(cfg: AttentionConfig, nq: Tensor, nk: Tensor, kvis: Tensor, clo: Tensor, chi: Tensor,
+def kept(cfg: AttentionConfig, nq: Tensor, nk: Tensor, kvis: Tensor, span_lo: Tensor, span_hi: Tensor,
          picks: Tensor | None = None) -> Tensor:
     """The block rule above, broadcasting (picks carries one extra trailing dim of k, -1 = none)."""
     before = nk < nq
-    keep = (nk == nq) | (before & (nk >= nq - window_blocks(cfg))) | ((nk >= clo) & (nk <= chi))
+    keep = (nk == nq) | (before & (nk >= nq - window_blocks(cfg))) | ((nk >= span_lo) & (nk <= span_hi))
     if cfg.sink:
         keep = keep | (nk == 0)
     if cfg.visual_always:
@@ -81,7 +81,7 @@ def sparse_lists(meta: AttnMeta, cfg: AttentionConfig, picks_BGLk: Tensor,
                  block_picks_BGAk: Tensor | None = None) -> Tensor:
     """(B, G, A, T) sorted aligned key blocks each tile visits, padded with the null block A."""
     lay = meta.aligned()
-    B, A, Bs = meta.batch, lay.num_blocks, cfg.block_size
+    B, A, Bs = meta.batch, lay.aligned_blocks, cfg.block_size
     G, k = picks_BGLk.shape[1], picks_BGLk.shape[-1]
     a_BA = torch.arange(A, device=lay.first_BA.device).expand(B, A)
     first_BA = lay.first_BA
@@ -91,12 +91,12 @@ def sparse_lists(meta: AttnMeta, cfg: AttentionConfig, picks_BGLk: Tensor,
         parts.append(first_BA[..., None])
     if cfg.visual_always:
         parts.append(_visual_lists(first_BA, lay.vis_BA, A))
-    span_BL = lay.clo_BL <= lay.chi_BL
+    span_BL = lay.span_lo_BL <= lay.span_hi_BL
     first_BL = first_BA.repeat_interleave(Bs, 1)
     big = torch.iinfo(torch.long).max
-    clo_BA = torch.where(span_BL, lay.clo_BL + first_BL, big).view(B, A, Bs).amin(-1)
-    chi_BA = torch.where(span_BL, lay.chi_BL + first_BL, -1).view(B, A, Bs).amax(-1)
-    parts.append(_ranges(torch.where(chi_BA >= 0, clo_BA, 0), chi_BA, A))
+    span_lo_BA = torch.where(span_BL, lay.span_lo_BL + first_BL, big).view(B, A, Bs).amin(-1)
+    span_hi_BA = torch.where(span_BL, lay.span_hi_BL + first_BL, -1).view(B, A, Bs).amax(-1)
+    parts.append(_ranges(torch.where(span_hi_BA >= 0, span_lo_BA, 0), span_hi_BA, A))
     base_BGAW = torch.cat(parts, -1)[:, None].expand(B, G, A, -1)
     if not k:
         return _dedupe(base_BGAW, A)
@@ -120,11 +120,11 @@ def tile_keep(meta: AttnMeta, cfg: AttentionConfig, list_BGCT: Tensor, a0: int,
     vis_BX = torch.cat([lay.vis_BA, lay.vis_BA.new_zeros(B, 1)], 1)  # the null block: not visual
     kvis_BGC1T = vis_BX.gather(1, list_BGCT.reshape(B, -1)).view(B, G, C, 1, T)
     sl = slice(a0 * Bs, (a0 + C) * Bs)
-    clo_B1Cb1 = lay.clo_BL[:, sl].view(B, 1, C, Bs, 1)
-    chi_B1Cb1 = lay.chi_BL[:, sl].view(B, 1, C, Bs, 1)
+    span_lo_B1Cb1 = lay.span_lo_BL[:, sl].view(B, 1, C, Bs, 1)
+    span_hi_B1Cb1 = lay.span_hi_BL[:, sl].view(B, 1, C, Bs, 1)
     k = picks_BGLk.shape[-1]
     pk_BGCb1k = picks_BGLk[:, :, sl].reshape(B, G, C, Bs, 1, k)
-    return kept(cfg, nq_B1C11, nk_BG1T, kvis_BGC1T, clo_B1Cb1, chi_B1Cb1, pk_BGCb1k)
+    return kept(cfg, nq_B1C11, nk_BG1T, kvis_BGC1T, span_lo_B1Cb1, span_hi_B1Cb1, pk_BGCb1k)
 
 
 def full_intervals(meta: AttnMeta, tile: int) -> tuple[Tensor, Tensor]:

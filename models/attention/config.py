@@ -7,16 +7,17 @@ from typing import Literal
 
 from mmtrain.checks import check
 
-BACKENDS = ("auto", "dense", "gather", "flex", "flash", "sdpa")
+from .registry import backend_choices
 
 
 @dataclass
 class AttentionConfig:
-    # auto: sparse layers -> flex on CUDA, gather on CPU; full layers -> flash if installed and the
-    # batch has no bidirectional span, else flex on CUDA, sdpa (fused SDPA per document) on CPU.
-    # sdpa: full layers only (sparse layers of an sdpa config run gather).
-    backend: Literal["auto", "dense", "gather", "flex", "flash", "sdpa"] = "auto"
-    block_size: int = 64  # B in DESIGN.md
+    # A registered backend (registry.py: dense, gather, sdpa, flex, flash) or auto: sparse layers ->
+    # flex on CUDA, gather on CPU; full layers -> flash if installed and the batch has no
+    # bidirectional span, else flex on CUDA, sdpa (fused SDPA per document) on CPU. A backend that
+    # cannot compute a call runs its fallback (sdpa's sparse layers and split documents: gather).
+    backend: str = "auto"
+    block_size: int = 64  # Bs: tokens per block, counted from each document's first token
     window: int = 256  # sliding window in tokens (sparse layers)
     top_k: int = 4  # selected completed earlier key blocks of the document
     sink: bool = True  # keep the document's first block
@@ -42,7 +43,7 @@ class AttentionConfig:
     gather_kernel: Literal["sdpa", "eager"] = "sdpa"
 
     def __post_init__(self) -> None:
-        check(self, "backend", choices=BACKENDS)
+        check(self, "backend", choices=backend_choices())
         check(self, "select_per", choices=("head", "kv_group"))
         check(self, "select", choices=("token", "block"))
         check(self, "dense_impl", "gather_kernel", choices=("sdpa", "eager"))

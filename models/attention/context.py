@@ -105,7 +105,7 @@ def _partial_means(x_BHsD: Tensor, meta: AttnMeta, shard: ContextShard) -> Tenso
     the means), straight from its tokens (nothing of size L)."""
     lay = meta.aligned()
     B, H, s, D = x_BHsD.shape
-    A = lay.num_blocks
+    A = lay.aligned_blocks
     rows_BH1 = torch.arange(B * H, device=x_BHsD.device).view(B, H, 1)
     flat_BHs = rows_BH1 * A + shard.local(meta.ablk_BS)[:, None, :]  # (b, h, block) of each token
     sum_nD = x_BHsD.new_zeros(B * H * A, D, dtype=torch.float32).index_add_(
@@ -167,7 +167,7 @@ def _attend_sparse(q_BHsD: Tensor, k_BKsD: Tensor, v_BKsD: Tensor, meta: AttnMet
                    shard: ContextShard) -> Tensor:
     lay = meta.aligned()
     B, H, s, D = q_BHsD.shape
-    A, Bs, L = lay.num_blocks, cfg.block_size, lay.num_slots
+    A, Bs, L = lay.aligned_blocks, cfg.block_size, lay.num_slots
     slot_Bs = shard.local(lay.slot_BS)
     t0, t1 = _tile_range(meta, shard)
     sel = _select(q_BHsD, k_BKsD, meta, cfg, shard, slot_Bs, (t0, t1))

@@ -31,7 +31,7 @@ def _per_token(meta: AttnMeta) -> tuple[Tensor, Tensor, Tensor]:
     pos_BS = torch.arange(meta.seq_len, device=meta.doc_BS.device)
     nq_BS = meta.nblk_BS
     own_BS = meta.rank_BS % meta.block_size + 1 + (meta.span_last_BS - pos_BS)
-    reach_BS = nq_BS + 1 + (meta.chi_BS - nq_BS).clamp_min(0)
+    reach_BS = nq_BS + 1 + (meta.span_hi_BS - nq_BS).clamp_min(0)
     return own_BS.double(), reach_BS.double(), meta.real_BS
 
 
@@ -49,7 +49,7 @@ def full_counts(meta: AttnMeta) -> dict[str, Tensor]:
 def sparse_counts(meta: AttnMeta, cfg: AttentionConfig, sel: Selection,
                   chunk: int = 256) -> dict[str, Tensor]:
     lay = meta.aligned()
-    B, A = meta.batch, lay.num_blocks
+    B, A = meta.batch, lay.aligned_blocks
     lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
     G = lists_BGAT.shape[1]
     count_BX = torch.cat([lay.count_BA, lay.count_BA.new_zeros(B, 1)], 1).double()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .blocks import kept
 from .config import AttentionConfig
 from .meta import AttnMeta, token_mask
+from .registry import ANY, BOTH, Backend, register_backend
 from .select import Selection
 
 Tensor = torch.Tensor
@@ -40,7 +41,8 @@ def rule_rows(meta: AttnMeta, cfg: AttentionConfig | None, sel: Selection | None
     nblk_BS = meta.nblk_BS
     picks_GRk = sel.row(meta)[b_R, :, i_R].transpose(0, 1)
     keep_GRS = kept(cfg, nblk_BS[b_R, i_R, None], nblk_BS[b_R], key_visual_BS(meta)[b_R],
-                    meta.clo_BS[b_R, i_R, None], meta.chi_BS[b_R, i_R, None], picks_GRk[:, :, None, :])
+                    meta.span_lo_BS[b_R, i_R, None], meta.span_hi_BS[b_R, i_R, None],
+                    picks_GRk[:, :, None, :])
     return mask_RS[None] & keep_GRS
 
 
@@ -71,3 +73,11 @@ def attend_dense(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta,
         v_BHSD = v_BKSD.to(p_BHSS.dtype).repeat_interleave(H // K, 1)
         return (p_BHSS @ v_BHSD).to(q_BHSD.dtype)
     return F.scaled_dot_product_attention(q_BHSD, k_BKSD, v_BKSD, attn_mask=mask_BHSS, enable_gqa=H != K)
+
+
+def run_dense(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+              sel: Selection | None) -> Tensor:
+    return attend_dense(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel, eager=cfg.dense_impl == "eager")
+
+
+register_backend(Backend("dense", run_dense, layers=BOTH, devices=ANY, train=ANY))

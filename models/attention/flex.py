@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .blocks import full_intervals, kept, sparse_lists
 from .config import AttentionConfig
 from .meta import AttnMeta, token_mask
+from .registry import BOTH, Backend, register_backend
 from .select import Selection, from_aligned, to_aligned
 
 Tensor = torch.Tensor
@@ -69,7 +70,7 @@ def sparse_block_mask(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, H: i
     from torch.nn.attention.flex_attention import BlockMask
 
     lay = meta.aligned()
-    A, Bs, L = lay.num_blocks, cfg.block_size, lay.num_slots
+    A, Bs, L = lay.aligned_blocks, cfg.block_size, lay.num_slots
     Bf = math.lcm(Bs, 128)
     lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
     table_BGXY = _coarse_table(lists_BGAT, A, Bf // Bs)
@@ -77,7 +78,7 @@ def sparse_block_mask(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, H: i
         table_BGXY = table_BGXY.repeat_interleave(H // table_BGXY.shape[1], 1)
     extra = 2 * Bf
     doc_BL, skey_BL = _pad(lay.doc_BL, extra, meta.null), _pad(lay.skey_BL, extra, -(2**50))
-    clo_BL, chi_BL = _pad(lay.clo_BL, extra, 1), _pad(lay.chi_BL, extra, 0)
+    span_lo_BL, span_hi_BL = _pad(lay.span_lo_BL, extra, 1), _pad(lay.span_hi_BL, extra, 0)
     beyond_BE = torch.arange(A, A + extra, device=doc_BL.device).expand(meta.batch, -1)
     first_BA = torch.cat([lay.first_BA, beyond_BE], 1)
     vis_BA = F.pad(lay.vis_BA, (0, extra))
@@ -90,7 +91,7 @@ def sparse_block_mask(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, H: i
                           kv_idx)
         qa, ka = q_idx // Bs, kv_idx // Bs
         nq, nk = qa - first_BA[b, qa], ka - first_BA[b, ka]
-        keep = kept(cfg, nq, nk, vis_BA[b, ka], clo_BL[b, q_idx], chi_BL[b, q_idx])
+        keep = kept(cfg, nq, nk, vis_BA[b, ka], span_lo_BL[b, q_idx], span_hi_BL[b, q_idx])
         for p_BGL in picks:
             keep = keep | (p_BGL[b, h // R, q_idx] == nk)
         return rule & keep
@@ -149,3 +150,6 @@ def attend_flex(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, 
     q_BHLD, k_BKLD, v_BKLD = (to_aligned(x, meta) for x in (q_BHSD, k_BKSD, v_BKSD))
     out_BHLD = fn(q_BHLD, k_BKLD, v_BKLD, block_mask=sparse_block_mask(meta, cfg, sel, H), enable_gqa=H != K)
     return from_aligned(out_BHLD, meta)
+
+
+register_backend(Backend("flex", attend_flex, layers=BOTH, devices=("cpu", "cuda"), train=("cuda",), auto=2))

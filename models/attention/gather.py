@@ -31,6 +31,8 @@ from torch.utils.checkpoint import checkpoint
 from .blocks import full_intervals, sparse_lists, tile_keep
 from .config import AttentionConfig
 from .meta import AttnMeta
+from .opaque import attend_sparse_opaque
+from .registry import ANY, BOTH, SPARSE, Backend, register_backend
 from .select import Selection, from_aligned, to_aligned
 
 Tensor = torch.Tensor
@@ -142,7 +144,7 @@ def attend_gather_sparse(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: A
     """A sparse layer on the aligned layout (every tile one document block)."""
     lay = meta.aligned()
     B, H, S, D = q_BHSD.shape
-    A, Bs = lay.num_blocks, cfg.block_size
+    A, Bs = lay.aligned_blocks, cfg.block_size
     lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
     G, T = lists_BGAT.shape[1], lists_BGAT.shape[-1]
     q_BGAMD = _tiles(to_aligned(q_BHSD * (1 / math.sqrt(D)), meta), G, A, Bs)
@@ -194,3 +196,14 @@ def attend_gather_full(q_BHsD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: Att
     fused = cfg.gather_kernel == "sdpa"
     out_BKYMD = _run(q_BKYMD, k_BKXbD, v_BKXbD, doc_BXb, skey_BXb, C, ckpt, lists, fused, t0)
     return _untile(out_BKYMD, H, Bs)[:, :, :s].to(q_BHsD.dtype)
+
+
+def run_gather(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+               sel: Selection | None) -> Tensor:
+    if sel is None:
+        return attend_gather_full(q_BHSD, k_BKSD, v_BKSD, meta, cfg)
+    return attend_gather_sparse(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
+
+
+register_backend(Backend("gather", run_gather, layers=BOTH, devices=ANY, train=ANY,
+                         opaque={SPARSE: attend_sparse_opaque}, auto=4))

@@ -38,13 +38,13 @@ class AlignedLayout:
     """The sparse layers' layout: every document starts an aligned block (see the module doc)."""
 
     block_size: int  # Bs
-    num_blocks: int  # A
+    aligned_blocks: int  # A
     slot_BS: Tensor  # int64 aligned slot of every token
     src_BL: Tensor  # int64 row position of every slot, -1 for an empty slot
     doc_BL: Tensor  # int64 document of every slot, `null` for an empty one
     skey_BL: Tensor  # int64 span key of every slot (unique for empty slots)
-    clo_BL: Tensor  # int64 doc-relative closure range of the slot's span (text: empty range)
-    chi_BL: Tensor
+    span_lo_BL: Tensor  # int64 doc-relative closure range of the slot's span (text: empty range)
+    span_hi_BL: Tensor
     first_BA: Tensor  # int64 aligned index of the block's document block 0 (itself when empty)
     vis_BA: Tensor  # bool: the block holds a visual token
     count_BA: Tensor  # float32 tokens in the block
@@ -52,7 +52,7 @@ class AlignedLayout:
 
     @property
     def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.aligned_blocks * self.block_size
 
 
 @dataclass
@@ -64,8 +64,8 @@ class AttnMeta:
     rank_BS: Tensor  # int64 position of the token within its document
     first_BS: Tensor  # int64 row position of the document's first token
     span_last_BS: Tensor  # int64 row position of the last token of the token's span (text: itself)
-    clo_BS: Tensor  # int64 doc-relative block range of the token's span (text: NO_SPAN, -1)
-    chi_BS: Tensor
+    span_lo_BS: Tensor  # int64 doc-relative block range of the token's span (text: NO_SPAN, -1)
+    span_hi_BS: Tensor
     ablk_BS: Tensor  # int64 aligned block of the token
     base_BS: Tensor  # int64 aligned block of the token's document block 0
     vis_BS: Tensor  # bool: visual token
@@ -91,9 +91,9 @@ class AttnMeta:
         return self._host("docs_contiguous", contiguous)
 
     @property
-    def num_ablocks(self) -> int:
+    def aligned_blocks(self) -> int:
         """A: aligned blocks per row (the longest row)."""
-        return self._host("num_ablocks", lambda: max(int(self.blocks_B.max()), 1) if self.seq_len else 1)
+        return self._host("aligned_blocks", lambda: max(int(self.blocks_B.max()), 1) if self.seq_len else 1)
 
     def _host(self, name: str, fn):
         if name not in self.cache:
@@ -105,7 +105,7 @@ class AttnMeta:
         return self.doc_BS.shape[0]
 
     @property
-    def num_blocks(self) -> int:
+    def row_blocks(self) -> int:
         """Q: row blocks (the full layers' tiles)."""
         return -(-self.seq_len // self.block_size)
 
@@ -197,20 +197,20 @@ def build_meta(doc_ids_BS: Tensor, span_ids_BS: Tensor, block_size: int) -> Attn
     f_BS, l_BS = _span_extent(doc_BS, span_BS)
     skey_BS = torch.where(vis_BS, f_BS, -(pos_BS + 1))
     span_last_BS = torch.where(vis_BS, l_BS, pos_BS)
-    clo_BS = torch.where(vis_BS, rank_BS.gather(1, f_BS) // Bs, NO_SPAN)
-    chi_BS = torch.where(vis_BS, rank_BS.gather(1, l_BS) // Bs, -1)
-    # 3. what needs the host (has_spans, docs_contiguous, num_ablocks) is computed on first use
+    span_lo_BS = torch.where(vis_BS, rank_BS.gather(1, f_BS) // Bs, NO_SPAN)
+    span_hi_BS = torch.where(vis_BS, rank_BS.gather(1, l_BS) // Bs, -1)
+    # 3. what needs the host (has_spans, docs_contiguous, aligned_blocks) is computed on first use
     return AttnMeta(
         block_size=Bs, seq_len=S, doc_BS=doc_BS, skey_BS=skey_BS, rank_BS=rank_BS, first_BS=first_BS,
-        span_last_BS=span_last_BS, clo_BS=clo_BS, chi_BS=chi_BS, ablk_BS=base_BS + rank_BS // Bs,
-        base_BS=base_BS, vis_BS=vis_BS, blocks_B=blocks_B,
+        span_last_BS=span_last_BS, span_lo_BS=span_lo_BS, span_hi_BS=span_hi_BS,
+        ablk_BS=base_BS + rank_BS // Bs, base_BS=base_BS, vis_BS=vis_BS, blocks_B=blocks_B,
         null=doc_BS.amin() - 1 if S else doc_BS.new_tensor(-1),
     )
 
 
 def _aligned(meta: AttnMeta) -> AlignedLayout:
     """Scatter the row's per-token tables into the aligned layout (empty slots get `null`)."""
-    B, S, Bs, A = meta.batch, meta.seq_len, meta.block_size, meta.num_ablocks
+    B, S, Bs, A = meta.batch, meta.seq_len, meta.block_size, meta.aligned_blocks
     L, dev = A * Bs, meta.doc_BS.device
     slot_BS = meta.base_BS * Bs + meta.rank_BS
     pos_BS = torch.arange(S, device=dev).expand(B, S)
@@ -227,9 +227,9 @@ def _aligned(meta: AttnMeta) -> AlignedLayout:
         1, meta.ablk_BS, meta.real_BS, "amax")
     count_BA = torch.zeros(B, A, device=dev).scatter_add_(1, meta.ablk_BS, torch.ones(B, S, device=dev))
     return AlignedLayout(
-        block_size=Bs, num_blocks=A, slot_BS=slot_BS, src_BL=scatter(pos_BS, -1),
+        block_size=Bs, aligned_blocks=A, slot_BS=slot_BS, src_BL=scatter(pos_BS, -1),
         doc_BL=scatter(meta.doc_BS, meta.null),
-        skey_BL=scatter(meta.skey_BS, empty_key_L), clo_BL=scatter(meta.clo_BS, NO_SPAN),
-        chi_BL=scatter(meta.chi_BS, -1), first_BA=first_BA, vis_BA=vis_BA, count_BA=count_BA,
+        skey_BL=scatter(meta.skey_BS, empty_key_L), span_lo_BL=scatter(meta.span_lo_BS, NO_SPAN),
+        span_hi_BL=scatter(meta.span_hi_BS, -1), first_BA=first_BA, vis_BA=vis_BA, count_BA=count_BA,
         real_BA=real_BA,
     )

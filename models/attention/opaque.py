@@ -1,15 +1,14 @@
-"""Sparse layers' `gather` path as one opaque op under torch.compile.
+"""Attention as opaque custom ops under torch.compile: the sparse layers' op, and the shared parts.
 
-The selection and the gather kernel size their work from the batch (how many blocks a tile
-visits, how far back a chunk reaches: host values), which a traced graph cannot hold without a
-break or a recompilation per batch. Under torch.compile the whole sparse attention (selection +
-gather) is therefore one custom op: Dynamo and Inductor see a node with q/k/v in and the output
-out (same shape as q) and compile everything around it. Its backward is a second op that
-recomputes the layer's attention eagerly with autograd (the selection is deterministic, so the
-same blocks) and returns the gradients: one extra attention forward, as with checkpointing.
-
-The op takes the metadata as tensors (documents, span keys) and rebuilds `AttnMeta` inside
-(build_meta: tensor ops only), and the config as JSON.
+A backend lists in `Backend.opaque` the layer kinds whose work is sized from the batch on the host
+(how many blocks a tile visits, the sdpa plan), which a traced graph cannot hold without a break
+or a recompilation per batch. Under torch.compile such a call is one custom op: Dynamo and
+Inductor see q/k/v in and the output out (same shape as q) and compile everything around it. The
+op's body rebuilds the metadata from tensors (documents, span keys; `build_meta` is tensor ops
+only), calls `registry.resolve` again eagerly, with the host values, and runs what it picks: the
+backend eager would run, fallbacks included. Its backward is a second op that recomputes the
+layer eagerly with autograd (the selection is deterministic, so the same blocks): one extra
+attention forward, as with checkpointing. The config travels as JSON.
 
 Legend: B batch, H query heads, K kv heads, S tokens, D head dim.
 """
@@ -23,23 +22,28 @@ import json
 import torch
 
 from .config import AttentionConfig
-from .gather import attend_gather_sparse
-from .meta import build_meta
+from .meta import AttnMeta, build_meta
+from .registry import resolve
 from .select import select_blocks
 
 Tensor = torch.Tensor
 
 
-def _meta(doc_BS: Tensor, skey_BS: Tensor, vis_BS: Tensor, block_size: int):
+def meta_from(doc_BS: Tensor, skey_BS: Tensor, vis_BS: Tensor, block_size: int) -> AttnMeta:
     """The layer's AttnMeta again: span ids = span keys (unique per span within a row)."""
     return build_meta(doc_BS, torch.where(vis_BS, skey_BS, -1), block_size)
 
 
+def config_from(cfg_json: str) -> AttentionConfig:
+    return AttentionConfig(**json.loads(cfg_json))
+
+
 def _attend(q, k, v, doc_BS, skey_BS, vis_BS, cfg_json: str) -> Tensor:
-    """What `attend` runs eagerly for a sparse layer on the gather backend: selection + gather."""
-    cfg = AttentionConfig(**json.loads(cfg_json))
-    meta = _meta(doc_BS, skey_BS, vis_BS, cfg.block_size)
-    return attend_gather_sparse(q, k, v, meta, cfg, select_blocks(q, k, meta, cfg)).to(q.dtype)
+    """What `attend` runs eagerly for a sparse layer: the resolved backend on the selection."""
+    cfg = config_from(cfg_json)
+    meta = meta_from(doc_BS, skey_BS, vis_BS, cfg.block_size)
+    backend = resolve(cfg, q, meta, sparse=True)
+    return backend.run(q, k, v, meta, cfg, select_blocks(q, k, meta, cfg)).to(q.dtype)
 
 
 @contextlib.contextmanager
@@ -103,9 +107,9 @@ register_qkv_backward(sparse_attend_op, sparse_attend_backward_op)
 
 @torch.compiler.assume_constant_result  # evaluated once when traced, a constant in the graph
 def config_json(cfg: AttentionConfig) -> str:
-    return json.dumps(dataclasses.asdict(dataclasses.replace(cfg, backend="gather")))
+    return json.dumps(dataclasses.asdict(cfg))
 
 
-def attend_sparse_opaque(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta, cfg: AttentionConfig
-                         ) -> Tensor:
+def attend_sparse_opaque(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta,
+                         cfg: AttentionConfig) -> Tensor:
     return sparse_attend_op(q_BHSD, k_BKSD, v_BKSD, meta.doc_BS, meta.skey_BS, meta.vis_BS, config_json(cfg))

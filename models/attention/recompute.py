@@ -68,7 +68,7 @@ def block_pattern(capture: dict, meta: AttnMeta, cfg: AttentionConfig, sparse: b
 
     -> kept (G, Q, Q) float: the share of the real query tokens of row block x that attend at
     least one key of row block y; reach (Q, Q) bool: the same is possible in a full layer."""
-    Bs, S, Q = meta.block_size, meta.seq_len, meta.num_blocks
+    Bs, S, Q = meta.block_size, meta.seq_len, meta.row_blocks
     sel = capture.get("selection") if sparse else None
     if sparse and sel is None:
         sel = select_blocks(capture["q"], capture["k"], meta, cfg)

@@ -14,12 +14,14 @@ A row is cut into segments along document runs (host-side plan, once per forward
     the span's end, and replace the causal rows (adjacent spans merged into one such patch).
 Every call is exact, so this computes the same function as `dense`; gradients flow through
 SDPA's own backward (the replaced rows of the causal call get no gradient, as they should).
-Documents that are not contiguous runs of their row fall back to the caller (`plan` -> None).
+The backend is usable when every document is one contiguous run of its row (else `plan` -> None
+and the registry runs its fallback, gather).
 
-Under torch.compile the eager body runs inside an opaque custom op (the plan is data dependent:
-no graph break, no recompilation per batch). On CPU it runs aten's flash forward per call and
-also returns every row's log-sum-exp, which autograd saves with the output; its backward, a second
-opaque op, replays the plan with aten's flash backward on those (no second attention forward).
+Under torch.compile the call is an opaque custom op (the plan is data dependent: no graph break,
+no recompilation per batch) whose body resolves the backend again, so split documents run gather
+there too. On CPU it runs aten's flash forward per call and also returns every row's
+log-sum-exp, which autograd saves with the output; its backward, a second opaque op, replays the
+plan with aten's flash backward on those (no second attention forward).
 
 Legend: B batch, H query heads, K kv heads, S tokens, D head dim, N segments / patches of a row.
 """
@@ -31,8 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .meta import token_mask
-from .opaque import recompute_grads
+from .config import AttentionConfig
+from .meta import AttnMeta, token_mask
+from .opaque import config_from, config_json, meta_from, recompute_grads
+from .registry import ANY, FULL, Backend, register_backend, resolve
 
 Tensor = torch.Tensor
 PATCH_GAP = 64  # spans closer than this are recomputed in one patch
@@ -228,29 +232,31 @@ def _forward_rows(q, k, v, doc_BS, skey_BS, rows) -> tuple[Tensor, Tensor]:
     return tuple(torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*outs))
 
 
+def _resolved(q: Tensor, doc_BS: Tensor, skey_BS: Tensor, vis_BS: Tensor, cfg_json: str):
+    """The op's config, metadata and backend: `resolve` as eager runs it (sdpa, or its fallback)."""
+    cfg = config_from(cfg_json)
+    meta = meta_from(doc_BS, skey_BS, vis_BS, cfg.block_size)
+    return cfg, meta, resolve(cfg, q, meta, sparse=False)
+
+
 @torch.library.custom_op("mmtrain::sdpa_full", mutates_args=())
-def sdpa_full_op(q: Tensor, k: Tensor, v: Tensor, doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor,
-                 group: int) -> tuple[Tensor, Tensor]:
-    """-> (out, lse). On CPU the lse of every row is kept for the backward (no second forward);
-    elsewhere it is zeros and the backward recomputes with autograd."""
-    rows = _rows_or_masked(doc_BS, skey_BS, span_last_BS, group)
-    if q.device.type != "cpu":
-        out = attend_rows(q, k, v, doc_BS, skey_BS, rows)
+def sdpa_full_op(q: Tensor, k: Tensor, v: Tensor, doc_BS: Tensor, skey_BS: Tensor, vis_BS: Tensor,
+                 cfg_json: str) -> tuple[Tensor, Tensor]:
+    """-> (out, lse). On CPU the sdpa plan keeps every row's lse for the backward (no second
+    forward); elsewhere, or where the call resolves to the fallback, lse is zeros and the backward
+    recomputes with autograd."""
+    cfg, meta, backend = _resolved(q, doc_BS, skey_BS, vis_BS, cfg_json)
+    if backend.name != "sdpa" or q.device.type != "cpu":
+        out = backend.run(q, k, v, meta, cfg, None)
         return out.contiguous(), q.new_zeros(q.shape[:3], dtype=torch.float32)
-    out, lse = _forward_rows(q.contiguous(), k.contiguous(), v.contiguous(), doc_BS, skey_BS, rows)
+    rows = _plan(meta, cfg.sdpa_group)
+    out, lse = _forward_rows(q.contiguous(), k.contiguous(), v.contiguous(), meta.doc_BS, meta.skey_BS, rows)
     return out.contiguous(), lse.float().contiguous()
 
 
 @sdpa_full_op.register_fake  # outputs contiguous (the real ones are made so)
-def _(q, k, v, doc_BS, skey_BS, span_last_BS, group):
+def _(q, k, v, doc_BS, skey_BS, vis_BS, cfg_json):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-def _rows_or_masked(doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor, group: int) -> list[list[Segment]]:
-    """The plan; a row whose documents are not contiguous runs is one masked segment."""
-    S = doc_BS.shape[1]
-    return [plan_row(doc_BS[b], skey_BS[b], span_last_BS[b], group) or [Segment(0, S, "mask")]
-            for b in range(doc_BS.shape[0])]
 
 
 def _call_backward(grads, grad_1HSD, q, k, v, out, lse, b: int, c: Call) -> None:
@@ -288,42 +294,57 @@ def _backward_rows(grad, q, k, v, out, lse, doc_BS, skey_BS, rows) -> tuple[Tens
 
 @torch.library.custom_op("mmtrain::sdpa_full_backward", mutates_args=())
 def sdpa_full_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          doc_BS: Tensor, skey_BS: Tensor, span_last_BS: Tensor, group: int
+                          doc_BS: Tensor, skey_BS: Tensor, vis_BS: Tensor, cfg_json: str
                           ) -> tuple[Tensor, Tensor, Tensor]:
-    rows = _rows_or_masked(doc_BS, skey_BS, span_last_BS, group)
-    if q.device.type != "cpu":  # no saved lse there: recompute with autograd
-        return recompute_grads(lambda *qkv: attend_rows(*qkv, doc_BS, skey_BS, rows), grad, q, k, v)
+    cfg, meta, backend = _resolved(q, doc_BS, skey_BS, vis_BS, cfg_json)
+    if backend.name != "sdpa" or q.device.type != "cpu":  # no saved lse there: recompute with autograd
+        return recompute_grads(lambda *qkv: backend.run(*qkv, meta, cfg, None), grad, q, k, v)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _backward_rows(grad, q, k, v, out, lse, doc_BS, skey_BS, rows)
+    return _backward_rows(grad, q, k, v, out, lse, meta.doc_BS, meta.skey_BS, _plan(meta, cfg.sdpa_group))
 
 
 @sdpa_full_backward_op.register_fake
-def _(grad, q, k, v, out, lse, doc_BS, skey_BS, span_last_BS, group):
+def _(grad, q, k, v, out, lse, doc_BS, skey_BS, vis_BS, cfg_json):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, doc_BS, skey_BS, span_last_BS, group = inputs
-    ctx.save_for_backward(q, k, v, *output, doc_BS, skey_BS, span_last_BS)
-    ctx.group = group
+    q, k, v, doc_BS, skey_BS, vis_BS, cfg_json = inputs
+    ctx.save_for_backward(q, k, v, *output, doc_BS, skey_BS, vis_BS)
+    ctx.cfg_json = cfg_json
 
 
 def _backward(ctx, grad, _grad_lse):
-    dq, dk, dv = sdpa_full_backward_op(grad.contiguous(), *ctx.saved_tensors, ctx.group)
+    dq, dk, dv = sdpa_full_backward_op(grad.contiguous(), *ctx.saved_tensors, ctx.cfg_json)
     return dq, dk, dv, None, None, None, None
 
 
 sdpa_full_op.register_autograd(_backward, setup_context=_setup)
 
 
-def attend_sdpa_full(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta, group: int) -> Tensor | None:
-    """A full layer by fused SDPA calls, or None when a document is not one contiguous run."""
-    if torch.compiler.is_compiling():
-        return sdpa_full_op(q_BHSD, k_BKSD, v_BKSD, meta.doc_BS, meta.skey_BS, meta.span_last_BS, group)[0]
+def _plan(meta: AttnMeta, group: int) -> list[list[Segment]]:
+    """The rows' plan, once per forward (the registry checked that documents are contiguous runs)."""
     key = ("sdpa_plan", group)
     if key not in meta.cache:
         meta.cache[key] = plan(meta.doc_BS, meta.skey_BS, meta.span_last_BS, group)
-    rows = meta.cache[key]
-    if rows is None:
-        return None
-    return attend_rows(q_BHSD, k_BKSD, v_BKSD, meta.doc_BS, meta.skey_BS, rows)
+    return meta.cache[key]
+
+
+def attend_sdpa_full(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+                     sel=None) -> Tensor:
+    """A full layer by fused SDPA calls (`plan`; full layers only, so no selection)."""
+    return attend_rows(q_BHSD, k_BKSD, v_BKSD, meta.doc_BS, meta.skey_BS, _plan(meta, cfg.sdpa_group))
+
+
+def attend_sdpa_opaque(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta,
+                       cfg: AttentionConfig) -> Tensor:
+    return sdpa_full_op(q_BHSD, k_BKSD, v_BKSD, meta.doc_BS, meta.skey_BS, meta.vis_BS, config_json(cfg))[0]
+
+
+def docs_contiguous(q_BHSD: Tensor, meta: AttnMeta) -> bool:
+    return meta.docs_contiguous
+
+
+register_backend(Backend("sdpa", attend_sdpa_full, layers=frozenset({FULL}), devices=ANY, train=ANY,
+                         usable=docs_contiguous, opaque={FULL: attend_sdpa_opaque}, fallback=("gather",),
+                         auto=3))

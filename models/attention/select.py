@@ -69,7 +69,7 @@ def block_means(x_BHLD: Tensor, meta: AttnMeta) -> Tensor:
     """Mean of each aligned block's tokens, fp32: (B, H, A, D)."""
     lay = meta.aligned()
     B, H, L, D = x_BHLD.shape
-    sum_BHAD = x_BHLD.float().view(B, H, lay.num_blocks, lay.block_size, D).sum(-2)
+    sum_BHAD = x_BHLD.float().view(B, H, lay.aligned_blocks, lay.block_size, D).sum(-2)
     return sum_BHAD / lay.count_BA.clamp_min(1)[:, None, :, None]
 
 
@@ -94,7 +94,7 @@ def select_blocks(q_BHSD: Tensor, k_BKSD: Tensor, meta: AttnMeta, cfg: Attention
     """The top-k picks of a sparse layer (see the module docstring)."""
     lay = meta.aligned()
     B, H = q_BHSD.shape[:2]
-    K, A, Bs, k = k_BKSD.shape[1], lay.num_blocks, cfg.block_size, cfg.top_k
+    K, A, Bs, k = k_BKSD.shape[1], lay.aligned_blocks, cfg.block_size, cfg.top_k
     G = H if cfg.select_per == "head" else K
     if k == 0:
         return Selection(q_BHSD.new_zeros(B, G, A * Bs, 0, dtype=torch.long))
@@ -124,7 +124,7 @@ def _select(qv_BGMD: Tensor, km_BGAD: Tensor, meta: AttnMeta, cfg: AttentionConf
     (those of `tiles` only: the others get none)."""
     lay = meta.aligned()
     B, G, _, D = qv_BGMD.shape
-    A, Bs = lay.num_blocks, cfg.block_size
+    A, Bs = lay.aligned_blocks, cfg.block_size
     rows = Bs if per_token else 1  # query vectors per tile
     C = max(1, _MAX_SCORES // (B * G * rows * A))
     t0, t1 = tiles or (0, A)
@@ -141,10 +141,10 @@ def _select(qv_BGMD: Tensor, km_BGAD: Tensor, meta: AttnMeta, cfg: AttentionConf
         kvis_B11N = lay.vis_BA[:, None, None, lo:a1]
         if per_token:
             sl = slice(a0 * Bs, a1 * Bs)
-            clo, chi = lay.clo_BL[:, None, sl, None], lay.chi_BL[:, None, sl, None]
+            span_lo, span_hi = lay.span_lo_BL[:, None, sl, None], lay.span_hi_BL[:, None, sl, None]
         else:  # a block-level choice: the closure is applied per token later, never scored
-            clo, chi = nq_B1M1.new_tensor(1), nq_B1M1.new_tensor(0)
-        base_B1MN = kept(cfg, nq_B1M1, nk_B1MN, kvis_B11N, clo, chi)
+            span_lo, span_hi = nq_B1M1.new_tensor(1), nq_B1M1.new_tensor(0)
+        base_B1MN = kept(cfg, nq_B1M1, nk_B1MN, kvis_B11N, span_lo, span_hi)
         cand_B1MN = (nk_B1MN >= 0) & (nk_B1MN < nq_B1M1) & ~base_B1MN
         out.append(_top(score_BGMN, cand_B1MN.expand_as(score_BGMN), cfg.top_k, lo, first_B1M1))
     out.append(qv_BGMD.new_full((B, G, (A - t1) * rows, cfg.top_k), -1, dtype=torch.long))

@@ -10,7 +10,16 @@ import random
 
 import torch
 
+from .registry import BACKENDS
+
 Tensor = torch.Tensor
+
+
+def backends_on(device: str, backward: bool = False, layer: str = "") -> list[str]:
+    """The registered backends whose forward (and backward) runs on `device`, computing `layer`
+    ("full", "sparse"; "": either): the tests' parametrisations."""
+    return [name for name, b in BACKENDS.items()
+            if b.runs_on(device, backward) and (not layer or layer in b.layers)]
 
 
 def random_doc_spans(L: int, Bs: int, visual: bool = True) -> Tensor:

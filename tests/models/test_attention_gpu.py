@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmtrain.models.attention import AttentionConfig, attend, build_meta, resolve_backend
-from mmtrain.models.attention.testing import random_batch, random_qkv, rel_err
+from mmtrain.models.attention.testing import backends_on, random_batch, random_qkv, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -32,7 +32,7 @@ def _inputs(B, H, K, S, D, Bs, dtype, visual=True):
 
 
 @pytest.mark.parametrize("sparse", [True, False])
-@pytest.mark.parametrize("backend", ["flex", "gather"])
+@pytest.mark.parametrize("backend", [b for b in backends_on("cuda", backward=True) if b != "dense"])
 def test_cuda_backend_matches_dense_fp32(seed, backend, sparse):
     Bs, S = 64, 1000  # S not a multiple of the block; fixed so flex compiles once
     meta, q, k, v, w = _inputs(2, 4, 2, S, 64, Bs, torch.float32)

@@ -8,6 +8,8 @@
 Random configs every run (block sizes, windows, top_k, GQA, per-token and block selection,
 images/videos crossing blocks, padding, 1-4 documents of up to 12 blocks); the seed is printed.
 Each property is also checked to be non-vacuous (the perturbation does move what it may move).
+The backends are the registry's (every one whose forward runs on CPU), and a backend registered
+inside a test gets the same suite.
 
 Legend: B batch, H query heads, K kv heads, S tokens, D head dim, Bs block size.
 """
@@ -21,13 +23,29 @@ import warnings
 import pytest
 import torch
 
-from mmtrain.models.attention import AttentionConfig, attend, build_meta, select_blocks
-from mmtrain.models.attention.flex import attend_flex
+from mmtrain.models.attention import AttentionConfig, attend, build_meta, flex
+from mmtrain.models.attention.registry import BACKENDS, backend_choices, register_backend, unregister_backend
 from mmtrain.models.attention.testing import pack_row, random_doc_spans
 
-BACKENDS = ("dense", "gather", "flex", "sdpa")  # flex: the eager (uncompiled) forward on CPU
+CPU_BACKENDS = [name for name, b in BACKENDS.items() if b.runs_on("cpu")]
 TOL = 1e-5
 
+
+@pytest.fixture(autouse=True)
+def eager_flex(monkeypatch):
+    """flex compiled on CPU would recompile for every random shape: here it runs its eager kernel
+    (the same BlockMask and mask_mod); test_attention_gpu.py runs the compiled one."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(flex, "compiled_flex", lambda: flex_attention)
+
+
+@pytest.fixture
+def toy_backend():
+    """A backend registered only inside the test (dense's entry under another name), removed after."""
+    backend = register_backend(dataclasses.replace(BACKENDS["dense"], name="toy", auto=0))
+    yield backend.name
+    unregister_backend(backend.name)
 
 
 def random_cfg(Bs: int) -> AttentionConfig:
@@ -47,9 +65,6 @@ def run(backend: str, q, k, v, doc_BS, span_BS, cfg: AttentionConfig, sparse: bo
     meta = build_meta(doc_BS, span_BS, cfg.block_size)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if backend == "flex":
-            sel = select_blocks(q, k, meta, cfg) if sparse else None
-            return attend_flex(q, k, v, meta, cfg, sel, compiled=False)
         # sdpa: small random groups, so causal segments, span patches and masked groups all occur
         group = random.choice([0, 4, 16, 64])
         return attend(q, k, v, meta, dataclasses.replace(cfg, backend=backend, sdpa_group=group), sparse)
@@ -80,7 +95,7 @@ def random_row(min_docs: int):
     return cfg, len(docs), doc_S, span_S, [torch.randn(1, n, S, 16) for n in (H, K, K)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("sparse", [True, False])
 def test_future_tokens_do_not_move_the_past(seed, backend, sparse):
     for _ in range(3):
@@ -102,9 +117,13 @@ def _future_case(seed, backend, sparse):
         assert (got - ref)[:, :, later].abs().max() > 1e-3, "the perturbation moved nothing (vacuous)"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("sparse", [True, False])
 def test_other_documents_do_not_move_a_document(seed, backend, sparse):
+    _isolation_case(seed, backend, sparse)
+
+
+def _isolation_case(seed, backend, sparse):
     cfg, n_docs, doc_S, span_S, (q, k, v) = random_row(2)
     d = random.randrange(n_docs)
     other = doc_S != d
@@ -116,9 +135,13 @@ def test_other_documents_do_not_move_a_document(seed, backend, sparse):
     assert (got - ref)[:, :, other].abs().max() > 1e-3, "vacuous"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("sparse", [True, False])
 def test_document_alone_equals_document_packed_at_an_offset(seed, backend, sparse):
+    _packing_case(seed, backend, sparse)
+
+
+def _packing_case(seed, backend, sparse):
     Bs = random.choice([2, 4, 8])
     cfg = random_cfg(Bs)
     doc = random_docs(Bs, 1)[0]
@@ -142,7 +165,7 @@ def test_document_alone_equals_document_packed_at_an_offset(seed, backend, spars
     assert err < TOL, f"seed={seed} offset {off}: max difference {err:.2e} cfg={cfg}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_sparse_layers_are_sparse(seed, backend):
     """Non-vacuity of the sparse rule: a long document with a narrow rule differs from full
     attention, and a rule that keeps everything equals it."""
@@ -154,3 +177,22 @@ def test_sparse_layers_are_sparse(seed, backend):
     full = run(backend, q, k, v, doc_S[None], span_S[None], narrow, False)
     assert (run(backend, q, k, v, doc_S[None], span_S[None], narrow, True) - full).abs().max() > 1e-3
     assert (run(backend, q, k, v, doc_S[None], span_S[None], wide, True) - full).abs().max() < TOL
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_a_registered_backend_gets_the_property_suite(seed, toy_backend, sparse):
+    assert AttentionConfig(backend=toy_backend).backend == toy_backend
+    _future_case(seed, toy_backend, sparse)
+    _isolation_case(seed, toy_backend, sparse)
+    _packing_case(seed, toy_backend, sparse)
+
+
+def test_the_config_accepts_the_registered_backends_only():
+    assert set(backend_choices()) == {"auto", *BACKENDS}
+    register_backend(dataclasses.replace(BACKENDS["dense"], name="toy2", auto=0))
+    try:
+        AttentionConfig(backend="toy2")
+    finally:
+        unregister_backend("toy2")
+    with pytest.raises(ValueError, match="backend"):
+        AttentionConfig(backend="toy2")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mmtrain.models.attention import AttentionConfig, attend, build_meta
+from mmtrain.models.attention.opaque import config_json
 from mmtrain.models.attention.sdpa import plan, sdpa_full_op
 from mmtrain.models.attention.testing import pack_row, random_batch, random_doc_spans, random_qkv, rel_err
 
@@ -96,7 +97,8 @@ def test_sdpa_custom_op_matches_dense(seed, layout):
     if layout == "every kind":
         kinds = {s.kind for s in plan(meta.doc_BS, meta.skey_BS, meta.span_last_BS, 16)[0]}
         assert kinds == {"causal", "batch", "full", "mask"}, kinds
-    out, lse = sdpa_full_op(q, k, v, meta.doc_BS, meta.skey_BS, meta.span_last_BS, 16)
+    cfg = AttentionConfig(backend="sdpa", block_size=8, sdpa_group=16)
+    out, lse = sdpa_full_op(q, k, v, meta.doc_BS, meta.skey_BS, meta.vis_BS, config_json(cfg))
     assert lse.shape == (B, 4, S) and torch.isfinite(lse).all()
     got = (out, *torch.autograd.grad((out * w).sum(), (q, k, v)))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):

@@ -3,21 +3,27 @@ decoder layer): no graph break in the steady state (full layers' sdpa, sparse la
 gather and fp32 grouped_mm MoE run as opaque custom ops), and the same loss and gradients as
 eager. aot_eager (Dynamo + AOTAutograd, what Inductor receives) keeps the test in seconds;
 Inductor itself is exercised by `tools.bench.bench_peer --compile`.
-Also: `build_meta` traces as one graph (no host synchronisation).
+Also: `build_meta` traces as one graph (no host synchronisation), and eager and compiled layers
+run the same backend, fallbacks included (the op bodies call the same `resolve`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 
+import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from mmtrain.models import DecoderConfig, ModelConfig, MoEConfig, MultimodalModel
-from mmtrain.models.attention import AttentionConfig, build_meta
+from mmtrain.models.attention import AttentionConfig, attend, build_meta, sdpa
+from mmtrain.models.attention.registry import BACKENDS
 from mmtrain.models.attention.testing import random_batch as random_ids
+from mmtrain.models.attention.testing import random_qkv
 from mmtrain.models.vision import VisionConfig
 from mmtrain.parallelize import block_lists
 from tools.bench.bench_model import random_batch
@@ -69,7 +75,7 @@ def test_build_meta_has_no_host_sync():
     explained = torch._dynamo.explain(build_meta)(doc_BS, span_BS, 4)
     assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
     meta = build_meta(doc_BS, span_BS, 4)  # the host values are computed on first use
-    assert meta.has_spans == bool((span_BS >= 0).any()) and meta.num_ablocks >= 1
+    assert meta.has_spans == bool((span_BS >= 0).any()) and meta.aligned_blocks >= 1
 
 
 def test_measuring_forwards_run_the_eager_layers_no_break_no_recompile(seed):
@@ -94,3 +100,33 @@ def test_measuring_forwards_run_the_eager_layers_no_break_no_recompile(seed):
     assert torch.allclose(l_c, l_e, atol=1e-5)
     assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_eager_and_compiled_run_the_same_backend(monkeypatch, seed, sparse):
+    """Contiguous documents and documents split across a row (sdpa cannot run those: its fallback,
+    gather, does), with auto on CPU: the compiled call's op body runs what eager runs."""
+    ran: list[str] = []
+    for name, b in list(BACKENDS.items()):
+        def spy(*args, name=name, run=b.run):
+            ran.append(name)
+            return run(*args)
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(b, run=spy))
+    forward_rows = sdpa._forward_rows  # the sdpa op's own CPU forward (it keeps the lse)
+    monkeypatch.setattr(sdpa, "_forward_rows", lambda *a: ran.append("sdpa") or forward_rows(*a))
+    cfg = AttentionConfig(block_size=4, window=4, top_k=1)
+    doc_BS, span_BS = random_ids(2, 48, 4)
+    split_BS = torch.randint(0, 3, (2, 48), dtype=torch.int32)  # documents interleaved token by token
+    for docs_BS in (doc_BS, split_BS):
+        meta = build_meta(docs_BS, span_BS, 4)
+        q, k, v = random_qkv(2, 4, 2, 48, 8, grad=False)
+        ran.clear()
+        eager = attend(q, k, v, meta, cfg, sparse)
+        eager_ran = list(ran)
+        torch._dynamo.reset()
+        ran.clear()
+        compiled = torch.compile(functools.partial(attend, meta=meta, cfg=cfg, sparse=sparse),
+                                 backend="aot_eager")(q, k, v)
+        assert ran == eager_ran, (ran, eager_ran)
+        assert torch.allclose(compiled, eager, atol=1e-5)
+    assert eager_ran == ["gather"]  # the split documents' fallback (and sparse layers' backend)

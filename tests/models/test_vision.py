@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mmtrain.models.attention import AttentionConfig
+from mmtrain.models.attention.testing import backends_on
 from mmtrain.models.vision import VisionConfig, VisionEncoder, patch_layout
 
 CFG = VisionConfig(dim=32, depth=2, n_heads=2, patch_size=4, merge=2)
@@ -23,7 +24,7 @@ def _rel(x: torch.Tensor, y: torch.Tensor) -> float:
     return ((x - y).norm() / y.norm()).item()
 
 
-@pytest.mark.parametrize("backend", ["dense", "gather"])
+@pytest.mark.parametrize("backend", backends_on("cpu", backward=True, layer="full"))
 def test_packed_media_do_not_see_each_other(backend: str) -> None:
     enc = _encoder(backend)
     img_NP = torch.randn(4 * 6, P)
@@ -108,7 +109,7 @@ def _alternating() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(int(grid_M3.prod(-1).sum()), P), grid_M3
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "gather", "dense"])
+@pytest.mark.parametrize("backend", backends_on("cpu", backward=True, layer="full"))
 def test_media_grouped_by_size_match_dense_and_each_alone(backend: str) -> None:
     """Every backend runs the media sorted by size (their medium ids then out of order); outputs
     and gradients stay in input order and equal dense attention over the media in input order,

@@ -65,7 +65,7 @@ def cp_fetch(S: int, cps: list[int], attn_cfg, kv_heads: int, real_head_dim: int
     del q, k
     lists_GAT = sparse_lists(meta, attn_cfg, sel.picks_BGLk, sel.block_picks_BGAk)[0]
     lay = meta.aligned()
-    A, Bs = lay.num_blocks, attn_cfg.block_size
+    A, Bs = lay.aligned_blocks, attn_cfg.block_size
     G = lists_GAT.shape[0]
     src_AB = lay.src_BL[0].view(A, Bs)
     per_token_head = 2 * real_head_dim * kv_bytes  # K and V
