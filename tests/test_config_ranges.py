@@ -75,7 +75,8 @@ def outside(bounds: dict, default):
 def test_rules_are_found_across_the_packages():
     classes = {c for _, c, _, _ in RULES}
     assert {"OptimConfig", "TrainConfig", "DataConfig", "MediaConfig", "AttentionConfig", "DecoderConfig",
-            "MoEConfig", "VisionConfig", "BalanceConfig", "SamplingConfig"} <= classes
+            "MoEConfig", "VisionConfig", "DWAConfig", "GradNormConfig", "RelianceGuardConfig",
+            "UncertaintyConfig", "SamplingConfig"} <= classes
     assert len(RULES) >= 80
 
 
