@@ -57,9 +57,10 @@ class Diagnostics(Callback):
         batches = pad_to_most(trainer.val_batches()[:cfg.batches], env, trainer.device, trainer.pad_batch)
         if self._grounding is None:
             self._grounding = grounding_docs(trainer.cfg.data, trainer.tokenizer, cfg.pointing_media)
-        result = run_diagnostics(trainer.model, batches, trainer.device, cfg, trainer.step, trainer.autocast,
-                                 (lambda t: all_reduce(t, env)) if env.distributed else None,
-                                 raw_model=trainer.raw_model, grounding=self._grounding)
+        result = run_diagnostics(trainer.model, batches, trainer.device, cfg, trainer.step,
+                                 autocast=trainer.autocast, raw_model=trainer.raw_model,
+                                 reduce_fn=(lambda t: all_reduce(t, env)) if env.distributed else None,
+                                 grounding=self._grounding)
         self.history.append(result.to_dict())  # with its step and alarms
         self._report(trainer, result)
         trainer.callbacks.emit("on_diagnostics", trainer, result)

@@ -323,8 +323,8 @@ class Trainer:
 
     def evaluate(self) -> EvalResult:
         """Per-task val loss with real and blanked media; callbacks add to the record (on_eval)."""
-        result = evaluate_ranks(self.model, self.val_batches(), self.device, self.env, self.pad_batch,
-                                self.autocast)
+        result = evaluate_ranks(self.model, self.val_batches(), self.device, self.env, pad=self.pad_batch,
+                                autocast=self.autocast)
         self.log.scalars(self.step, result.scalars())
         parts = [f"{t} {v:.3f}" for t, v in result.loss.items()]
         gaps = [f"{t} {v:+.3f}" for t, v in result.reliance_gap.items()]

@@ -4,6 +4,7 @@ and receives, and the closed-form LM-head gradients for GradNorm against autogra
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import random
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from mmtrain.balance import KINDS, BalanceConfig, build_balancer
-from mmtrain.balance.base import BALANCERS
+from mmtrain.balance.base import BALANCERS, Balancer, register
 from mmtrain.balance.signals import SIGNALS, check_signals
 from mmtrain.callbacks import Callbacks
 from mmtrain.config import ConfigError, from_dict, to_dict
@@ -103,6 +104,36 @@ def test_each_kind_declares_known_signals_and_is_the_checkpoint_part_balancer():
     assert all(s in SIGNALS for signals in declared.values() for s in signals)
     for kind in KINDS:  # older checkpoints hold the balancer's state under "balancer"
         assert list(Callbacks([make(kind)]).parts(per_rank=False)) == ["balancer"]
+
+
+def test_a_new_kind_is_a_class_and_its_registration_and_gets_only_what_it_declares():
+    @dataclasses.dataclass
+    class ToyConfig:
+        gain: float = 2.0
+
+    class Toy(Balancer):
+        kind, Config, signals = "toy", ToyConfig, ("task_loss", "mismatch_gap")
+
+        def observe(self, signals, step):
+            self.seen.append((sorted(signals), step))
+
+    register(Toy)
+    try:
+        with pytest.raises(ValueError, match="registered twice"):
+            register(Toy)
+        b = BALANCERS["toy"](ToyConfig(), BASE)
+        b.seen = []
+        observe(b, {"text": 1.0}, 1, {"text": 2.0})
+        b.on_diagnostics(SimpleNamespace(step=2), SimpleNamespace(mismatch_gap={"image_text": 0.1}))
+        assert b.seen == [(["task_loss"], 1), (["mismatch_gap"], 2)]
+    finally:
+        del BALANCERS["toy"]
+
+    class Unknown(Balancer):
+        kind, signals = "unknown_signal", ("loss_curvature",)
+
+    with pytest.raises(ValueError, match="unknown signals"):
+        register(Unknown)
 
 
 @pytest.mark.parametrize("signals, diag, cp, error", [
