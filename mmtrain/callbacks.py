@@ -12,7 +12,7 @@ whatever a user adds -- is a `Callback` the loop calls at fixed points (OLMo-cor
     on_log(trainer, stats, scalars)       on log steps: add TensorBoard scalars to `scalars`
     on_eval(trainer, record)              after each evaluation: add entries to its history record
     on_diagnostics(trainer, result)       after each collapse-diagnostics run (a DiagResult, the same
-                                          on every rank): e.g. the mixture controller reads the gaps
+                                          on every rank): a balancer, the mixture controller read gaps
     on_checkpoint_written(trainer, step)  every rank's files are written, not yet committed
     on_checkpoint(trainer, path)          the checkpoint at `path` is committed
     on_train_end(trainer, summary)        after the final checkpoint: add entries to the summary

@@ -8,6 +8,7 @@ Legend: V vocabulary, D width.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -34,7 +35,7 @@ def setup(raw_for, tmp_path_factory):
     raw = raw_for(tmp_path_factory.mktemp("objective"))
 
     def make(overrides=()):
-        r = {**raw, "loss": {**raw["loss"]}}
+        r = copy.deepcopy(raw)
         for item in ["model.vision.ssl_head=true", "train.log_every=1", *overrides]:
             apply_override(r, item)
         cfg = from_dict(RunConfig, r, source="objective-test")
