@@ -178,11 +178,3 @@ def head_grads(hidden_BSD: torch.Tensor, logits_BSV: torch.Tensor, labels_BS: to
             delta_TV[torch.arange(len(labels_T), device=delta_TV.device), labels_T] -= 1.0
             grads[name] = delta_TV.div_(n).T @ hidden_BSD[sel_BS].float()  # zeros when T = 0
     return grads
-
-
-def head_grad_norms(hidden_BSD: torch.Tensor, logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
-                    task_BS: torch.Tensor, head_VD: torch.Tensor,
-                    counts: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """||d mean_task CE / d head_VD||_F per task present (see head_grads for the method and cost)."""
-    grads = head_grads(hidden_BSD, logits_BSV, labels_BS, task_BS, head_VD, counts)
-    return {name: torch.linalg.matrix_norm(grad_VD) for name, grad_VD in grads.items()}
