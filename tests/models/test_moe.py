@@ -65,6 +65,30 @@ def test_dispatch_handles_empty_experts_and_one_token() -> None:
                                    atol=1e-6, rtol=1e-6)
 
 
+def test_a_registered_expert_path_is_selectable_and_held_to_the_reference() -> None:
+    """A new way to run the experts is a function plus its registration: the config accepts its
+    name and the layer runs it (here a toy: the loop path under another name)."""
+    from mmtrain.models.moe.experts import ExpertPath, register_expert_path
+
+    calls = []
+
+    def toy(x_RD, counts_E, w_in, w_out):
+        calls.append(x_RD.shape[0])
+        return EXPERT_PATHS["loop"].run(x_RD, counts_E, w_in, w_out)
+
+    register_expert_path(ExpertPath("toy", toy, lambda dev, dtype: True, host_sync=True, auto=False))
+    try:
+        moe = MoE(16, MoEConfig(n_routed=4, top_k=2, n_shared=0, expert_dim=8, dispatch="toy"))
+        x_BSD, mod_BS = torch.randn(2, 9, 16), torch.zeros(2, 9, dtype=torch.long)
+        got, want = moe(x_BSD, mod_BS)[0], reference(moe, x_BSD, mod_BS)[0]
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        assert calls  # the layer ran the registered path
+    finally:
+        del EXPERT_PATHS["toy"]
+    with pytest.raises(ValueError, match="dispatch:"):
+        MoEConfig(dispatch="toy")
+
+
 def test_legacy_state_dict_names_load() -> None:
     """A state dict of the single-module layout (bias and expert weights on the layer) loads."""
     moe = MoE(16, MoEConfig(n_routed=4, top_k=2, n_shared=1, expert_dim=8))
