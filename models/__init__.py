@@ -5,6 +5,10 @@ applies FSDP2 / activation checkpointing / compile per block from outside (`visi
 `decoder.layers`). `models` never imports `mmtrain` or `data_pipelines`.
 """
 
+if __name__ != "mmtrain.models":  # the checkout's folder under its own name: a second copy
+    raise ImportError(f"import mmtrain.models, not {__name__}: the folder is installed under that "
+                      "name (pip install -e . or make install)")
+
 from .attention import AttentionConfig
 from .counting import ParamCount
 from .decoder import DecoderConfig

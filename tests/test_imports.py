@@ -168,3 +168,17 @@ def test_leaves_import_nothing_from_the_project():
     graph = import_graph()
     for leaf in LEAVES & set(graph):
         assert not graph[leaf], f"{leaf} must stay a leaf (stdlib only): imports {sorted(graph[leaf])}"
+
+
+def test_a_folder_imported_by_its_checkout_name_fails_loudly():
+    """`import models` from a checkout would load a second copy of every module (and register the
+    custom ops twice): each installed folder refuses, naming the import that works."""
+    import subprocess
+    import sys
+
+    for name, folder in setup_roots().items():
+        if name == "mmtrain":
+            continue
+        run = subprocess.run([sys.executable, "-c", f"import {folder.replace('/', '.')}"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and f"import {name}, not" in run.stderr, (folder, run.stderr[-500:])

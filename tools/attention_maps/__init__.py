@@ -13,3 +13,8 @@ directory), mmtrain.prompts (read_sample, iter_val_samples), mmtrain.models.atte
 selection and reductions) and mmtrain.pointing (the pointing game's geometry).
 See docs/ATTENTION_MAPS.md.
 """
+
+if __name__ != "mmtrain.attention_maps":  # the checkout's folder under its own name: a second copy
+    raise ImportError(f"import mmtrain.attention_maps, not {__name__}: the folder is installed under that "
+                      "name (pip install -e . or make install)")
+
