@@ -23,6 +23,7 @@ MODALITY_NAMES = ("text", "image", "video")
 # Task of the document a token belongs to (task_BS): which loss the token's target feeds.
 TASK_TEXT, TASK_IMAGE_TEXT, TASK_VIDEO_TEXT, TASK_PAD = 0, 1, 2, -1
 TASK_NAMES = ("text", "image_text", "video_text")
+MEDIA_TASKS = TASK_NAMES[1:]  # the tasks whose documents hold media
 
 IGNORE_INDEX = -100
 

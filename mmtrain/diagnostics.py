@@ -35,13 +35,15 @@ from torch import nn
 from mmtrain.data_pipelines.batch import (
     IGNORE_INDEX,
     IMAGE,
+    MEDIA_TASKS,
     TASK_NAMES,
     TEXT,
     VIDEO,
     PackedBatch,
 )
 from mmtrain.diagnostics_report import DiagConfig, DiagResult
-from mmtrain.evaluate import MEDIA_TASKS, blank_media, mismatch_media
+from mmtrain.evaluate import blank_media, mismatch_media
+from mmtrain.frozen import frozen_state
 from mmtrain.models.attention import AttentionConfig, build_meta, even_subset, row_stats, text_rows
 from mmtrain.objectives import task_losses
 from mmtrain.pointing import GroundingDoc, pointing_scores
@@ -50,7 +52,7 @@ Tensor = torch.Tensor
 MEDIA_KINDS = {IMAGE: "image", VIDEO: "video"}
 ATTN_STATS = ("mass", "entropy", "sink")
 RECOMPUTE_CHUNK = 64  # rows recomputed at once: memory H x 64 x S floats
-__all__ = ["DiagConfig", "DiagResult", "effective_rank", "frozen_state", "run_diagnostics"]
+__all__ = ["DiagConfig", "DiagResult", "effective_rank", "run_diagnostics"]
 
 
 class _Sums:
@@ -159,23 +161,6 @@ class _Clock:
         start = self._now()
         yield
         self.seconds[name] = self.seconds.get(name, 0.0) + self._now() - start
-
-
-@contextlib.contextmanager
-def frozen_state(model: nn.Module, device: torch.device):
-    """Eval mode (MoE layers count no load, no dropout) and the CPU/CUDA RNG saved, restored after:
-    a forward inside leaves training state as it found it (diagnostics, token weighting)."""
-    modes = [(m, m.training) for m in model.modules()]
-    cuda = []
-    if device.type == "cuda":
-        cuda = [device.index if device.index is not None else torch.cuda.current_device()]
-    with torch.random.fork_rng(devices=cuda):  # saves and restores the CPU and these CUDA generators
-        model.eval()
-        try:
-            yield
-        finally:
-            for module, mode in modes:
-                module.training = mode
 
 
 def _diagnose_batch(model: nn.Module, batch: PackedBatch, layout: _Layout, sums: _Sums, cfg: DiagConfig,

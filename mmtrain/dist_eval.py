@@ -12,9 +12,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TASK_PAD, PackedBatch
+from mmtrain.data_pipelines.batch import IGNORE_INDEX, MEDIA_TASKS, TASK_NAMES, TASK_PAD, PackedBatch
 from mmtrain.distributed import DistEnv, all_reduce
-from mmtrain.evaluate import MEDIA_TASKS, EvalResult, evaluate
+from mmtrain.evaluate import EvalResult, evaluate
 
 
 def dummy_batch(seq_len: int, patch_dim: int) -> PackedBatch:

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from mmtrain.data_pipelines.batch import TASK_NAMES, PackedBatch
+from mmtrain.data_pipelines.batch import MEDIA_TASKS, TASK_NAMES, PackedBatch
 from mmtrain.objectives import task_losses
-
-MEDIA_TASKS = ("image_text", "video_text")
 
 
 @dataclass

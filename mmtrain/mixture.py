@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 from mmtrain.balance.signals import SIGNALS
 from mmtrain.callbacks import Callback, StepStats
+from mmtrain.data_pipelines.batch import MEDIA_TASKS
 from mmtrain.data_pipelines.config import MixControllerConfig, SourceConfig
-from mmtrain.evaluate import MEDIA_TASKS
 
 if TYPE_CHECKING:
     from mmtrain.diagnostics import DiagResult

@@ -7,7 +7,7 @@ without the pixels. The media tasks' loss then weights each token by how much th
 (`objectives.reliance_weights`); the unweighted losses stay what is logged and balanced.
 
 It runs first so its activations are freed before the training graph exists. Training state is
-left alone (`diagnostics.frozen_state`: eval mode, so MoE layers count no load, RNG restored).
+left alone (`frozen.frozen_state`: eval mode, so MoE layers count no load, RNG restored).
 Its cost and weights are summed in a `TokenWeightingSums` (part of the step's sums, all-reduced
 with them); `figures()` turns the step's total into the logged figures.
 """
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from mmtrain.data_pipelines.batch import PackedBatch
-from mmtrain.diagnostics import frozen_state
 from mmtrain.evaluate import blank_media
+from mmtrain.frozen import frozen_state
 from mmtrain.objectives import (
     MEDIA_TASK_IDS,
     TaskLosses,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from mmtrain.balance.base import Balancer, Signals, clean, register
 from mmtrain.checks import check
-from mmtrain.evaluate import MEDIA_TASKS
+from mmtrain.data_pipelines.batch import MEDIA_TASKS
 
 
 @dataclass

@@ -17,9 +17,9 @@ from dataclasses import fields
 import pytest
 import torch
 
-from mmtrain.data_pipelines.batch import IGNORE_INDEX, IMAGE, TASK_NAMES, VIDEO, PackedBatch
+from mmtrain.data_pipelines.batch import IGNORE_INDEX, IMAGE, MEDIA_TASKS, TASK_NAMES, VIDEO, PackedBatch
 from mmtrain.diagnostics import DiagConfig, DiagResult, run_diagnostics
-from mmtrain.evaluate import MEDIA_TASKS, mismatch_media
+from mmtrain.evaluate import mismatch_media
 from mmtrain.objectives import task_losses
 from mmtrain.trainer import Trainer
 

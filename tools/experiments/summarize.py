@@ -13,8 +13,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from mmtrain.data_pipelines.batch import TASK_NAMES
-from mmtrain.evaluate import MEDIA_TASKS
+from mmtrain.data_pipelines.batch import MEDIA_TASKS, TASK_NAMES
 
 SHORT = {"text": "text", "image_text": "image", "video_text": "video"}
 
