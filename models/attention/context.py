@@ -27,9 +27,9 @@ from typing import Protocol
 
 import torch
 
-from .blocks import sparse_lists, tile_keep
+from .blocks import sparse_lists
 from .config import AttentionConfig
-from .gather import _chunk_size, _kv_blocks, _run, _tiles, _untile, _wants_ckpt, attend_gather_full
+from .gather import _tiles, _untile, attend_gather_full, sparse_tiles
 from .meta import AttnMeta
 from .select import select_aligned
 
@@ -172,24 +172,13 @@ def _attend_sparse(q_BHsD: Tensor, k_BKsD: Tensor, v_BKsD: Tensor, meta: AttnMet
     t0, t1 = _tile_range(meta, shard)
     sel = _select(q_BHsD, k_BKsD, meta, cfg, shard, slot_Bs, (t0, t1))
     lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
-    G, T = lists_BGAT.shape[1], lists_BGAT.shape[-1]
+    G = lists_BGAT.shape[1]
     need_BA = torch.zeros(B, A + 1, dtype=torch.bool, device=q_BHsD.device).scatter_(
         1, lists_BGAT[:, :, t0:t1].reshape(B, -1), True)[:, :A]  # the null block A: dropped
     k_BKLD, v_BKLD = _fetch(k_BKsD, v_BKsD, need_BA, meta, shard, slot_Bs)
     q_BHYD = _to_aligned_local(q_BHsD * (1 / math.sqrt(D)), slot_Bs, L)[:, :, t0 * Bs:t1 * Bs]
-    q_BGYMD = _tiles(q_BHYD, G, t1 - t0, Bs)
-    k_BGXbD, v_BGXbD = _kv_blocks(k_BKLD, G, Bs), _kv_blocks(v_BKLD, G, Bs)
-    doc_BXb = torch.cat([lay.doc_BL, meta.null.expand(B, Bs)], 1).view(B, A + 1, Bs)
-    skey_BXb = torch.cat([lay.skey_BL, lay.skey_BL.new_full((B, Bs), -(2**50))], 1).view(B, A + 1, Bs)
-
-    def lists(c0: int, C: int):
-        idx_BGCT = lists_BGAT[:, :, c0:c0 + C]
-        return idx_BGCT, tile_keep(meta, cfg, idx_BGCT, c0, sel.picks_BGLk)
-
-    C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
-    ckpt = _wants_ckpt(cfg, q_BGYMD, T, Bs, q_BHsD, k_BKsD, v_BKsD)
-    out_BGYMD = _run(q_BGYMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, C, ckpt, lists,
-                     cfg.gather_kernel == "sdpa", t0)
+    out_BGYMD = sparse_tiles(_tiles(q_BHYD, G, t1 - t0, Bs), k_BKLD, v_BKLD, meta, cfg, sel, lists_BGAT, t0,
+                             q_BHsD, k_BKsD, v_BKsD)
     out_BHYD = _untile(out_BGYMD, H, Bs)  # (B, H, Y * Bs, D): the rank's tiles
     if t1 == t0:  # padding only: zeros, still tied to q, k, v (zero gradients, as on every rank)
         return q_BHsD * 0 + (k_BKsD.sum() + v_BKsD.sum()) * 0

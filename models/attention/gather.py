@@ -142,27 +142,35 @@ def _wants_ckpt(cfg: AttentionConfig, q_tiles: Tensor, T: int, Bs: int, *qkv: Te
 def attend_gather_sparse(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
                          sel: Selection) -> Tensor:
     """A sparse layer on the aligned layout (every tile one document block)."""
-    lay = meta.aligned()
     B, H, S, D = q_BHSD.shape
-    A, Bs = lay.aligned_blocks, cfg.block_size
     lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
-    G, T = lists_BGAT.shape[1], lists_BGAT.shape[-1]
-    q_BGAMD = _tiles(to_aligned(q_BHSD * (1 / math.sqrt(D)), meta), G, A, Bs)
-    k_BGXbD = _kv_blocks(to_aligned(k_BKSD, meta), G, Bs)
-    v_BGXbD = _kv_blocks(to_aligned(v_BKSD, meta), G, Bs)
+    q_BGAMD = _tiles(to_aligned(q_BHSD * (1 / math.sqrt(D)), meta), lists_BGAT.shape[1],
+                     meta.aligned().aligned_blocks, cfg.block_size)
+    out_BGAMD = sparse_tiles(q_BGAMD, to_aligned(k_BKSD, meta), to_aligned(v_BKSD, meta), meta, cfg, sel,
+                             lists_BGAT, 0, q_BHSD, k_BKSD, v_BKSD)
+    return from_aligned(_untile(out_BGAMD, H, cfg.block_size), meta).to(q_BHSD.dtype)
+
+
+def sparse_tiles(q_BGYMD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+                 sel: Selection, lists_BGAT: Tensor, t0: int, *qkv: Tensor) -> Tensor:
+    """The sparse rule's tile attention: queries of the aligned tiles t0 .. t0 + Y (scaled, tiled),
+    keys and values in aligned slots (B, K, L, D), each tile visiting its list; -> (B, G, Y, M, D).
+    `qkv`: the layer's inputs, whose grad decides the chunk checkpointing. The whole layer's tiles
+    in one process (t0 = 0), a context-parallel rank's own otherwise (context.py)."""
+    lay = meta.aligned()
+    B, G, _, M, _ = q_BGYMD.shape
+    A, Bs, T = lay.aligned_blocks, cfg.block_size, lists_BGAT.shape[-1]
+    k_BGXbD, v_BGXbD = _kv_blocks(k_BKLD, G, Bs), _kv_blocks(v_BKLD, G, Bs)
     doc_BXb = torch.cat([lay.doc_BL, meta.null.expand(B, Bs)], 1).view(B, A + 1, Bs)
     skey_BXb = torch.cat([lay.skey_BL, lay.skey_BL.new_full((B, Bs), -(2**50))], 1).view(B, A + 1, Bs)
-    picks_BGLk = sel.picks_BGLk
 
     def lists(c0: int, C: int):
         idx_BGCT = lists_BGAT[:, :, c0:c0 + C]
-        return idx_BGCT, tile_keep(meta, cfg, idx_BGCT, c0, picks_BGLk)
+        return idx_BGCT, tile_keep(meta, cfg, idx_BGCT, c0, sel.picks_BGLk)
 
-    C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
-    ckpt = _wants_ckpt(cfg, q_BGAMD, T, Bs, q_BHSD, k_BKSD, v_BKSD)
-    fused = cfg.gather_kernel == "sdpa"
-    out_BGAMD = _run(q_BGAMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, C, ckpt, lists, fused)
-    return from_aligned(_untile(out_BGAMD, H, Bs), meta).to(q_BHSD.dtype)
+    C = _chunk_size(cfg.gather_chunk, B, G * M // Bs, Bs, T)
+    ckpt = _wants_ckpt(cfg, q_BGYMD, T, Bs, *qkv)
+    return _run(q_BGYMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, C, ckpt, lists, cfg.gather_kernel == "sdpa", t0)
 
 
 def attend_gather_full(q_BHsD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
