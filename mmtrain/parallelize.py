@@ -31,8 +31,9 @@ from torch.utils.checkpoint import checkpoint
 from mmtrain.distributed import DistEnv
 from mmtrain.errors import UserError
 from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.parallel.comm import Traffic
 from mmtrain.parallel.dims import ParallelDims
-from mmtrain.parallel.expert_parallel import Traffic, shard_experts
+from mmtrain.parallel.expert_parallel import shard_experts
 from mmtrain.run_config import RunConfig
 
 

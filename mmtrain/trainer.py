@@ -54,9 +54,9 @@ from mmtrain.logger import RunLogger
 from mmtrain.mixture import MixController
 from mmtrain.objective import Objective
 from mmtrain.optim import build_optimizer, build_scheduler
+from mmtrain.parallel.comm import Traffic
 from mmtrain.parallel.context_parallel import context_shard
 from mmtrain.parallel.dims import ParallelDims
-from mmtrain.parallel.expert_parallel import Traffic
 from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync, scale_expert_grads
 from mmtrain.perf import Throughput, peak_tflops
 from mmtrain.run_config import RunConfig

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from mmtrain.data_pipelines.batch import PackedBatch
 from mmtrain.models.attention.context import ContextShard
-from mmtrain.parallel.expert_parallel import Traffic, _AllToAll
+from mmtrain.parallel.comm import AllToAll, Traffic
 
 Tensor = torch.Tensor
 
@@ -54,7 +54,7 @@ class CPComm:
         return torch.stack(parts).bool()
 
     def exchange(self, x_nF: Tensor, out_P: list[int], in_P: list[int]) -> Tensor:
-        return _AllToAll.apply(x_nF, out_P, in_P, self.group, self._count_fetch)
+        return AllToAll.apply(x_nF, out_P, in_P, self.group, self._count_fetch)
 
     def _count_fetch(self, x_nF: Tensor, in_P: list[int]) -> None:
         self._count("cp_kv_fetch", (sum(in_P) - in_P[self.rank]) * x_nF[:1].numel() * x_nF.element_size())

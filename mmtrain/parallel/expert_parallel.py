@@ -25,51 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmtrain.callbacks import Callback
 from mmtrain.models.moe import MoE
 from mmtrain.models.moe.dispatch import combine, sort_by_expert
+from mmtrain.parallel.comm import AllToAll, Traffic
 
 Tensor = torch.Tensor
-
-
-class Traffic(Callback):
-    """Bytes this rank sent to other ranks by collective kind (forward, recompute and backward),
-    per optimizer step: `last` holds the finished step's, TensorBoard gets `comm/<kind>_MiB`."""
-
-    def __init__(self) -> None:
-        self.sent: dict[str, int] = {}
-        self.last: dict[str, int] = {}
-
-    def add(self, kind: str, nbytes: int) -> None:
-        self.sent[kind] = self.sent.get(kind, 0) + nbytes
-
-    def on_step_end(self, trainer, stats) -> None:
-        self.last, self.sent = self.sent, {}
-
-    def on_log(self, trainer, stats, scalars: dict) -> None:
-        scalars.update({f"comm/{kind}_MiB": n / 2**20 for kind, n in self.last.items()})
-
-
-class _AllToAll(torch.autograd.Function):
-    """Uneven all_to_all_single whose backward is the reverse exchange; both count their bytes."""
-
-    @staticmethod
-    def forward(ctx, x_ND, out_P, in_P, group, count):
-        ctx.splits, ctx.group, ctx.count = (out_P, in_P), group, count
-        return _all_to_all(x_ND, out_P, in_P, group, count)
-
-    @staticmethod
-    def backward(ctx, dy_ND):
-        out_P, in_P = ctx.splits
-        return _all_to_all(dy_ND, in_P, out_P, ctx.group, ctx.count), None, None, None, None
-
-
-def _all_to_all(x_ND: Tensor, out_P: list[int], in_P: list[int], group, count) -> Tensor:
-    """in_P[p] rows to rank p, out_P[p] rows from it."""
-    count(x_ND, in_P)
-    out_ND = x_ND.new_empty(sum(out_P), *x_ND.shape[1:])
-    dist.all_to_all_single(out_ND, x_ND.contiguous(), out_P, in_P, group=group)
-    return out_ND
 
 
 class AllToAllDispatcher:
@@ -97,7 +57,7 @@ class AllToAllDispatcher:
 
     def _exchange(self, x_ND: Tensor, out_P: list[int], in_P: list[int]) -> Tensor:
         """Uneven all-to-all with autograd: in_P[p] rows to rank p, out_P[p] rows from it."""
-        return _AllToAll.apply(x_ND, out_P, in_P, self.group, self._count)
+        return AllToAll.apply(x_ND, out_P, in_P, self.group, self._count)
 
     def _count(self, x_ND: Tensor, in_P: list[int]) -> None:
         if self.traffic is not None:  # rows to the other ranks (our own never leave)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from mmtrain.models.attention import AttentionConfig, attend, build_meta
 from mmtrain.models.attention.context import ContextShard
 from mmtrain.models.attention.testing import pack_row, random_doc_spans
+from mmtrain.parallel.comm import Traffic
 from mmtrain.parallel.context_parallel import CPComm
-from mmtrain.parallel.expert_parallel import Traffic
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve()

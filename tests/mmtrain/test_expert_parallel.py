@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from mmtrain.models.moe import MoE, MoEConfig
-from mmtrain.parallel.expert_parallel import Traffic, shard_experts
+from mmtrain.parallel.comm import Traffic
+from mmtrain.parallel.expert_parallel import shard_experts
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).resolve()

@@ -219,8 +219,8 @@ def worker(mesh: dict, out: str) -> None:
     import torch.distributed as dist
 
     from mmtrain.distributed import init_distributed
+    from mmtrain.parallel.comm import Traffic
     from mmtrain.parallel.dims import ParallelDims
-    from mmtrain.parallel.expert_parallel import Traffic
     from mmtrain.parallelize import build_model, clip_grad_norm, scale_expert_grads
 
     torch.set_num_threads(1)

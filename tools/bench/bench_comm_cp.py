@@ -106,8 +106,8 @@ def cp_worker(args: dict, out: str) -> None:
     from mmtrain.models.attention.config import AttentionConfig
     from mmtrain.models.attention.context import ContextShard, attend_context
     from mmtrain.models.attention.meta import build_meta
+    from mmtrain.parallel.comm import Traffic
     from mmtrain.parallel.context_parallel import CPComm
-    from mmtrain.parallel.expert_parallel import Traffic
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -1,0 +1,55 @@
+"""What the expert- and context-parallel layers share: an uneven all-to-all that autograd runs
+backwards (the reverse exchange), and the per-step count of the bytes each kind of collective
+sends to other ranks (a callback: TensorBoard `comm/<kind>_MiB`).
+
+Legend: N rows exchanged, P ranks of the group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mmtrain.callbacks import Callback
+
+Tensor = torch.Tensor
+
+
+class Traffic(Callback):
+    """Bytes this rank sent to other ranks by collective kind (forward, recompute and backward),
+    per optimizer step: `last` holds the finished step's, TensorBoard gets `comm/<kind>_MiB`."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.sent[kind] = self.sent.get(kind, 0) + nbytes
+
+    def on_step_end(self, trainer, stats) -> None:
+        self.last, self.sent = self.sent, {}
+
+    def on_log(self, trainer, stats, scalars: dict) -> None:
+        scalars.update({f"comm/{kind}_MiB": n / 2**20 for kind, n in self.last.items()})
+
+
+class AllToAll(torch.autograd.Function):
+    """Uneven all_to_all_single whose backward is the reverse exchange; both count their bytes."""
+
+    @staticmethod
+    def forward(ctx, x_ND, out_P, in_P, group, count):
+        ctx.splits, ctx.group, ctx.count = (out_P, in_P), group, count
+        return all_to_all(x_ND, out_P, in_P, group, count)
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        out_P, in_P = ctx.splits
+        return all_to_all(dy_ND, in_P, out_P, ctx.group, ctx.count), None, None, None, None
+
+
+def all_to_all(x_ND: Tensor, out_P: list[int], in_P: list[int], group, count) -> Tensor:
+    """in_P[p] rows to rank p, out_P[p] rows from it."""
+    count(x_ND, in_P)
+    out_ND = x_ND.new_empty(sum(out_P), *x_ND.shape[1:])
+    dist.all_to_all_single(out_ND, x_ND.contiguous(), out_P, in_P, group=group)
+    return out_ND
