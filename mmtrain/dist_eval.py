@@ -12,27 +12,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mmtrain.data_pipelines.batch import IGNORE_INDEX, MEDIA_TASKS, TASK_NAMES, TASK_PAD, PackedBatch
+from mmtrain.data_pipelines.batch import MEDIA_TASKS, TASK_NAMES, PackedBatch
 from mmtrain.distributed import DistEnv, all_reduce
 from mmtrain.evaluate import EvalResult, evaluate
-
-
-def dummy_batch(seq_len: int, patch_dim: int) -> PackedBatch:
-    """One row of padding: every label ignored, no media (the vision encoder still runs)."""
-    S = seq_len
-    return PackedBatch(
-        tokens_BS=torch.zeros(1, S, dtype=torch.long),
-        labels_BS=torch.full((1, S), IGNORE_INDEX, dtype=torch.long),
-        doc_ids_BS=torch.full((1, S), -1, dtype=torch.int32),  # padding
-        span_ids_BS=torch.full((1, S), -1, dtype=torch.int32),
-        modality_BS=torch.zeros(1, S, dtype=torch.int8),
-        task_BS=torch.full((1, S), TASK_PAD, dtype=torch.int8),
-        pos_ids_3BS=torch.arange(S).expand(3, 1, S).contiguous(),
-        media_ids_BS=torch.full((1, S), -1, dtype=torch.int32),
-        patches_NP=torch.zeros(0, patch_dim),
-        grid_thw_M3=torch.zeros(0, 3, dtype=torch.long),
-        media_kind_M=torch.zeros(0, dtype=torch.int8),
-    )
 
 
 def evaluate_ranks(model: nn.Module, batches: list[PackedBatch], device: torch.device, env: DistEnv,

@@ -1,10 +1,10 @@
 """Held-out evaluation: per-modality loss and accuracy, and the visual reliance gap.
 
 The reliance gap of a task is its loss with every medium blanked (patches set to 0, i.e. the
-normalisation mean: a flat grey) minus its loss with the real media. Near zero means the text
-ignores the pixels: modality collapse. Blank media are out of distribution; `mismatch_media` gives
-the in-distribution counterpart (the diagnostics' mismatch gap): each document's media swapped for
-another document's real media of the same kind and patch grid.
+normalisation mean: a flat grey; `objectives.blank_media`) minus its loss with the real media. Near
+zero means the text ignores the pixels: modality collapse. Blank media are out of distribution;
+`mismatch_media` gives the in-distribution counterpart (the diagnostics' mismatch gap): each
+document's media swapped for another document's real media of the same kind and patch grid.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mmtrain.data_pipelines.batch import MEDIA_TASKS, TASK_NAMES, PackedBatch
-from mmtrain.objectives import task_losses
+from mmtrain.objectives import blank_media, task_losses
 
 
 @dataclass
@@ -41,10 +41,6 @@ class EvalResult:
     def to_dict(self) -> dict:
         return {"loss": self.loss, "accuracy": self.accuracy, "tokens": self.tokens,
                 "blank_loss": self.blank_loss, "reliance_gap": self.reliance_gap}
-
-
-def blank_media(batch: PackedBatch) -> PackedBatch:
-    return replace(batch, patches_NP=torch.zeros_like(batch.patches_NP))
 
 
 def mismatch_media(batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor]:

@@ -7,6 +7,11 @@ video (video_text).
 Token reliance weighting (`loss.token_weighting`): within a media task, a caption token's
 cross-entropy is weighted by how much the pixels help predict it -- its loss with every medium
 blanked minus its loss with the real media -- so the tokens that need the image carry the gradient.
+
+Batch helpers the losses and their callers share: `take_rows` (a row subset with its media),
+`blank_media` (every medium a flat grey: the reliance gap's and token weighting's blank pass) and
+`dummy_batch` (one row of padding that adds nothing to any sum: a rank short of batches forwards it
+when forwards are collective).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from mmtrain.data_pipelines.batch import (
     IGNORE_INDEX,
     TASK_IMAGE_TEXT,
     TASK_NAMES,
+    TASK_PAD,
     TASK_VIDEO_TEXT,
     PackedBatch,
 )
@@ -128,6 +134,28 @@ def take_rows(batch: PackedBatch, rows_R: torch.Tensor) -> PackedBatch:
         pos_ids_3BS=batch.pos_ids_3BS[:, rows_R], media_ids_BS=renumbered_RS.to(batch.media_ids_BS.dtype),
         patches_NP=batch.patches_NP[keep_N], grid_thw_M3=batch.grid_thw_M3[keep_M],
         media_kind_M=batch.media_kind_M[keep_M],
+    )
+
+
+def blank_media(batch: PackedBatch) -> PackedBatch:
+    return replace(batch, patches_NP=torch.zeros_like(batch.patches_NP))
+
+
+def dummy_batch(seq_len: int, patch_dim: int) -> PackedBatch:
+    """One row of padding: every label ignored, no media (the vision encoder still runs)."""
+    S = seq_len
+    return PackedBatch(
+        tokens_BS=torch.zeros(1, S, dtype=torch.long),
+        labels_BS=torch.full((1, S), IGNORE_INDEX, dtype=torch.long),
+        doc_ids_BS=torch.full((1, S), -1, dtype=torch.int32),  # padding
+        span_ids_BS=torch.full((1, S), -1, dtype=torch.int32),
+        modality_BS=torch.zeros(1, S, dtype=torch.int8),
+        task_BS=torch.full((1, S), TASK_PAD, dtype=torch.int8),
+        pos_ids_3BS=torch.arange(S).expand(3, 1, S).contiguous(),
+        media_ids_BS=torch.full((1, S), -1, dtype=torch.int32),
+        patches_NP=torch.zeros(0, patch_dim),
+        grid_thw_M3=torch.zeros(0, 3, dtype=torch.long),
+        media_kind_M=torch.zeros(0, dtype=torch.int8),
     )
 
 

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from mmtrain.data_pipelines.batch import PackedBatch
-from mmtrain.evaluate import blank_media
 from mmtrain.frozen import frozen_state
 from mmtrain.objectives import (
     MEDIA_TASK_IDS,
     TaskLosses,
+    blank_media,
     media_tokens,
     reliance_stats,
     reliance_weights,
