@@ -36,8 +36,8 @@ from mmtrain.models.inference import SamplingConfig
 from mmtrain.prompts import Prompt, iter_val_samples, sample_prompt
 
 if TYPE_CHECKING:
-    from mmtrain.distributed import DistEnv
     from mmtrain.loading import Loaded
+    from mmtrain.parallel.distributed import DistEnv
     from mmtrain.trainer import Trainer
 
 # key.json field -> reported name
@@ -146,8 +146,8 @@ def run_captioning(m: Loaded, cs: CaptionSet, cfg: CaptionEvalConfig, step: int,
                    ) -> CaptionResult:
     """Caption this rank's share of cs greedily, with real and blank media; counts summed over ranks."""
     # Imported here: run_config imports this module for its config, and these import run_config.
-    from mmtrain.distributed import DistEnv, all_reduce
     from mmtrain.generate import generate
+    from mmtrain.parallel.distributed import DistEnv, all_reduce
 
     env = env or DistEnv()
     mine = list(range(env.rank, len(cs.prompts), env.world_size))

@@ -49,9 +49,9 @@ from typing import Any
 import torch
 import yaml
 
-from mmtrain.distributed import DistEnv, barrier, broadcast_object
 from mmtrain.errors import UserError
 from mmtrain.manifest import all_gather, own_entries, verify, write_manifest
+from mmtrain.parallel.distributed import DistEnv, barrier, broadcast_object
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "state.pt"

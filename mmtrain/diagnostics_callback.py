@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from mmtrain.callbacks import Callback, StepStats
 from mmtrain.diagnostics import DiagConfig, run_diagnostics
 from mmtrain.dist_eval import pad_to_most
-from mmtrain.distributed import all_reduce
+from mmtrain.parallel.distributed import all_reduce
 from mmtrain.pointing import grounding_docs
 
 if TYPE_CHECKING:

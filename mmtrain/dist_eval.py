@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from mmtrain.data_pipelines.batch import MEDIA_TASKS, TASK_NAMES, PackedBatch
-from mmtrain.distributed import DistEnv, all_reduce
 from mmtrain.evaluate import EvalResult, evaluate
+from mmtrain.parallel.distributed import DistEnv, all_reduce
 
 
 def evaluate_ranks(model: nn.Module, batches: list[PackedBatch], device: torch.device, env: DistEnv,

@@ -28,9 +28,9 @@ from mmtrain.checkpoint import (
     swap_in,
     tokenizer_file,
 )
-from mmtrain.distributed import DistEnv
 from mmtrain.errors import UserError
 from mmtrain.manifest import verify
+from mmtrain.parallel.distributed import DistEnv
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

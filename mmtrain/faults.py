@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmtrain.callbacks import Callback, StepStats
-from mmtrain.distributed import restart_count
+from mmtrain.parallel.distributed import restart_count
 
 if TYPE_CHECKING:
     from mmtrain.run_config import FaultConfig

@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from mmtrain.distributed import DistEnv
+from mmtrain.parallel.distributed import DistEnv
 
 MANIFEST_FILE = "manifest.json"
 VERSION = 1

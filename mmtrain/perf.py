@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmtrain.callbacks import Callback, StepStats
-from mmtrain.distributed import all_reduce
+from mmtrain.parallel.distributed import all_reduce
 
 if TYPE_CHECKING:
     from mmtrain.trainer import Trainer

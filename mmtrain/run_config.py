@@ -141,7 +141,7 @@ class TrainConfig:
 
 @dataclass
 class DistConfig:
-    """Parallelism, applied from outside the model (mmtrain/parallelize.py). Under torchrun with
+    """Parallelism, applied from outside the model (mmtrain/parallel/parallelize.py). Under torchrun with
     WORLD_SIZE > 1 the ranks shard the model (fsdp) or replicate it (ddp); a single process uses
     only `activation_checkpointing` and `compile`."""
 

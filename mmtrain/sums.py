@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from mmtrain.distributed import DistEnv, all_reduce
+from mmtrain.parallel.distributed import DistEnv, all_reduce
 
 
 @dataclasses.dataclass

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # heavy imports only once the config is known to parse
-    from mmtrain.distributed import init_distributed, shutdown
+    from mmtrain.parallel.distributed import init_distributed, shutdown
     from mmtrain.trainer import Trainer
 
     overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
@@ -49,8 +49,8 @@ def perf_line(summary: dict) -> str:
 
 def finish(code: int) -> int:
     """The exit code of `train`; a torchrun worker (WORLD_SIZE > 1) exits right here instead (see
-    mmtrain.distributed.exit_now: interpreter teardown can crash after gloo was used)."""
-    from mmtrain.distributed import env_from_torchrun, exit_now
+    mmtrain.parallel.distributed.exit_now: interpreter teardown can crash after gloo was used)."""
+    from mmtrain.parallel.distributed import env_from_torchrun, exit_now
 
     if env_from_torchrun().distributed:
         exit_now(code)

@@ -53,8 +53,8 @@ from mmtrain.checkpoint import (
     quiet_single_process,
 )
 from mmtrain.curriculum import stage_at
-from mmtrain.distributed import DistEnv
 from mmtrain.errors import UserError
+from mmtrain.parallel.distributed import DistEnv
 
 FORMAT = 3  # 2: train counters and histories flat in state.pt; 1: everything in one state.pt
 SHARED_META = ("format", "world_size", "dp_size", "config")  # state.pt keys that are not parts

@@ -12,7 +12,7 @@ injection, and any user callback -- are callbacks (mmtrain/callbacks.py) it call
           after the last step (or the time limit): eval -> checkpoint -> on_train_end(summary)
 
 One process, or one rank of a torchrun job: parallelism is applied from outside the model
-(mmtrain/parallelize.py), the process group comes from mmtrain/distributed.py.
+(mmtrain/parallel/parallelize.py), the process group comes from mmtrain/parallel/distributed.py.
 
 The loss of a micro-batch and every term in it are the objective's (mmtrain/objective.py): the
 loop asks it for this rank's share, runs backward on share x world size (FSDP/DDP average
@@ -46,7 +46,6 @@ from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.tokenizer import load_tokenizer
 from mmtrain.diagnostics_callback import Diagnostics
 from mmtrain.dist_eval import evaluate_ranks
-from mmtrain.distributed import DistEnv, all_reduce, current_env, pick_device
 from mmtrain.errors import UserError
 from mmtrain.evaluate import EvalResult
 from mmtrain.faults import FaultInjection, faults_configured
@@ -57,7 +56,8 @@ from mmtrain.optim import build_optimizer, build_scheduler
 from mmtrain.parallel.comm import Traffic
 from mmtrain.parallel.context_parallel import context_shard
 from mmtrain.parallel.dims import ParallelDims
-from mmtrain.parallelize import build_model, clip_grad_norm, grad_sync, scale_expert_grads
+from mmtrain.parallel.distributed import DistEnv, all_reduce, current_env, pick_device
+from mmtrain.parallel.parallelize import build_model, clip_grad_norm, grad_sync, scale_expert_grads
 from mmtrain.perf import Throughput, peak_tflops
 from mmtrain.run_config import RunConfig
 from mmtrain.run_dir import RESOLVED_CONFIG, prepare_run_dir

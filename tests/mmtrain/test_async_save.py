@@ -13,8 +13,8 @@ from dist_runs import checkpoint_names, losses, step_records, train, write_confi
 
 from mmtrain.callbacks import Callback
 from mmtrain.checkpoint import Checkpointer, load_model_state, load_rank_state, load_state
-from mmtrain.distributed import DistEnv
 from mmtrain.manifest import verify
+from mmtrain.parallel.distributed import DistEnv
 from mmtrain.trainer import Trainer
 
 

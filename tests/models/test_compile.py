@@ -25,7 +25,7 @@ from mmtrain.models.attention.registry import BACKENDS
 from mmtrain.models.attention.testing import random_batch as random_ids
 from mmtrain.models.attention.testing import random_qkv
 from mmtrain.models.vision import VisionConfig
-from mmtrain.parallelize import block_lists
+from mmtrain.parallel.parallelize import block_lists
 from tools.bench.bench_model import random_batch
 
 

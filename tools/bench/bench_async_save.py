@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from mmtrain.config import load_config
-from mmtrain.distributed import init_distributed
+from mmtrain.parallel.distributed import init_distributed
 from mmtrain.run_config import RunConfig
 from mmtrain.trainer import Trainer
 from tools.bench.table import print_ratio_table

@@ -57,7 +57,7 @@ SIDES = ("all_gather", "reduce_scatter", "all_reduce", "a2a")  # measured vs for
 
 # ----- the formula ----------------------------------------------------------------------------
 def fsdp_units(model_cfg, ep: int) -> list[dict]:
-    """FSDP2 units as mmtrain/parallelize.py shards them: every vision block and decoder layer
+    """FSDP2 units as mmtrain/parallel/parallelize.py shards them: every vision block and decoder layer
     (its routed experts are a unit of their own, of E / ep experts, when ep > 1), then the root.
     -> [{"name", "root", "params": [(shape, is_expert)], "experts_own_unit"}]."""
     import torch
@@ -218,10 +218,10 @@ def worker(mesh: dict, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from mmtrain.distributed import init_distributed
     from mmtrain.parallel.comm import Traffic
     from mmtrain.parallel.dims import ParallelDims
-    from mmtrain.parallelize import build_model, clip_grad_norm, scale_expert_grads
+    from mmtrain.parallel.distributed import init_distributed
+    from mmtrain.parallel.parallelize import build_model, clip_grad_norm, scale_expert_grads
 
     torch.set_num_threads(1)
     cfg = tiny_model_cfg()

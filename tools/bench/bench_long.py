@@ -85,7 +85,7 @@ def child(args) -> dict:
     from mmtrain.config import load_config
     from mmtrain.models.attention import build_meta
     from mmtrain.models.decoder import Decoder
-    from mmtrain.parallelize import checkpoint_forward, prime_probes
+    from mmtrain.parallel.parallelize import checkpoint_forward, prime_probes
     from mmtrain.run_config import RunConfig
 
     torch.set_num_threads(args.threads)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from mmtrain.config import load_config
 from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.models.testing import IMAGE, VIDEO, pack, random_doc
-from mmtrain.parallelize import block_lists
+from mmtrain.parallel.parallelize import block_lists
 from mmtrain.run_config import RunConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     model = MultimodalModel(cfg).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     eager = model
-    if args.compile:  # as mmtrain/parallelize.py applies dist.compile: every vision block and layer
+    if args.compile:  # as mmtrain/parallel/parallelize.py applies dist.compile: every vision block and layer
         import copy
 
         eager = copy.deepcopy(model)  # the FLOP count's forward (attention statistics) runs eagerly

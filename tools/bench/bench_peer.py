@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from mmtrain.models import AttentionConfig, DecoderConfig, ModelConfig, MoEConfig, MultimodalModel
 from mmtrain.models.testing import IMAGE, pack, random_doc
 from mmtrain.models.vision import VisionConfig
-from mmtrain.parallelize import block_lists
+from mmtrain.parallel.parallelize import block_lists
 from tools.bench.bench_model import matmul_peak
 
 DIM, LAYERS, HEADS, KV_HEADS, EXPERTS, TOP_K, EXPERT_DIM, VOCAB = 256, 4, 4, 2, 8, 2, 256, 4096
@@ -131,7 +131,7 @@ def run_seq(seq: int, args) -> list[dict]:
             model = mmtrain_model(layout, args.backend)
             batch = mmtrain_batch(seq)
             flops = flops_per_token(model, batch, seq)
-            if compiled:  # as dist.compile applies it (mmtrain/parallelize.py): every block
+            if compiled:  # as dist.compile applies it (mmtrain/parallel/parallelize.py): every block
                 for blocks in block_lists(model):
                     for i, block in enumerate(blocks):
                         blocks[i] = torch.compile(block)

@@ -28,11 +28,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from mmtrain.distributed import DistEnv
 from mmtrain.errors import UserError
 from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.parallel.comm import Traffic
 from mmtrain.parallel.dims import ParallelDims
+from mmtrain.parallel.distributed import DistEnv
 from mmtrain.parallel.expert_parallel import shard_experts
 from mmtrain.run_config import RunConfig
 
