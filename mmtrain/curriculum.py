@@ -5,7 +5,7 @@ Until step `until_step` only the named data.train sources are mixed, with a seed
 one every source. At a boundary the train loader is rebuilt for the new stage.
 
 The stage is the callback's state, a checkpoint part (`callback.curriculum`). Replicated parts load
-before the per-rank data position (mmtrain/train_state.py), and loading the stage rebuilds that
+before the per-rank data position (mmtrain/state/train_state.py), and loading the stage rebuilds that
 stage's loader first, so the saved position goes back into the loader it came from: resume is
 exact on either side of a boundary.
 """

@@ -17,15 +17,15 @@ import json
 import shutil
 from pathlib import Path
 
-from mmtrain.checkpoint import load_for_inference, swap_in, tokenizer_file
 from mmtrain.data_pipelines.tokenizer import SPECIAL_TOKENS, load_tokenizer
 from mmtrain.errors import UserError
-from mmtrain.export import resolve_checkpoint
-from mmtrain.export import run as run_mmtrain_export
 from mmtrain.hf import REMOTE_FILES
 from mmtrain.hf.convert import to_hf
 from mmtrain.hf_card import model_card
 from mmtrain.loading import clean_state_dict
+from mmtrain.state.checkpoint import load_for_inference, swap_in, tokenizer_file
+from mmtrain.state.export import resolve_checkpoint
+from mmtrain.state.export import run as run_mmtrain_export
 
 HF_DIR = Path(__file__).parent / "hf"
 TRANSFORMERS_RANGE = ">=5.24,<6"  # tested with 5.24 (tests/mmtrain/test_hf_*.py)

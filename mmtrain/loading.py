@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from mmtrain.checkpoint import load_for_inference
 from mmtrain.config import from_dict
 from mmtrain.data_pipelines.tokenizer import Tokenizer, load_tokenizer
 from mmtrain.errors import UserError
-from mmtrain.export import resolve_checkpoint
 from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.run_config import RunConfig
+from mmtrain.state.checkpoint import load_for_inference
+from mmtrain.state.export import resolve_checkpoint
 
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile / DDP wrappers
 

@@ -1,7 +1,7 @@
 """The training loop: data -> model -> per-modality losses -> AdamW, with eval and checkpoints.
 
 The trainer is the loop and little else. What it checkpoints is a dict of named Stateful parts
-(`parts()`; mmtrain/train_state.py saves and loads them); what it does besides stepping --
+(`parts()`; mmtrain/state/train_state.py saves and loads them); what it does besides stepping --
 collapse diagnostics, throughput/MFU logging, curriculum stages, the captioning eval, fault
 injection, and any user callback -- are callbacks (mmtrain/callbacks.py) it calls at fixed points:
 
@@ -33,11 +33,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from mmtrain import train_state
 from mmtrain.balance import build_balancer
 from mmtrain.callbacks import Callback, Callbacks, StepStats
 from mmtrain.captioning import CaptionEval
-from mmtrain.checkpoint import TOKENIZER_FILE, Checkpointer, tokenizer_file
 from mmtrain.config import to_dict
 from mmtrain.curriculum import Curriculum, stage_data
 from mmtrain.data_pipelines.batch import TASK_NAMES, PackedBatch
@@ -60,8 +58,10 @@ from mmtrain.parallel.distributed import DistEnv, all_reduce, current_env, pick_
 from mmtrain.parallel.parallelize import build_model, clip_grad_norm, grad_sync, scale_expert_grads
 from mmtrain.perf import Throughput, peak_tflops
 from mmtrain.run_config import RunConfig
-from mmtrain.run_dir import RESOLVED_CONFIG, prepare_run_dir
-from mmtrain.train_state import LoaderPart, ModelPart, OptimizerPart, Parts, RNGPart, TrainState
+from mmtrain.state import train_state
+from mmtrain.state.checkpoint import TOKENIZER_FILE, Checkpointer, tokenizer_file
+from mmtrain.state.run_dir import RESOLVED_CONFIG, prepare_run_dir
+from mmtrain.state.train_state import LoaderPart, ModelPart, OptimizerPart, Parts, RNGPart, TrainState
 
 __all__ = ["StepStats", "Trainer"]
 
@@ -134,7 +134,7 @@ class Trainer:
         return [FaultInjection(faults, self.env.rank)] if faults_configured(faults) else []
 
     def parts(self) -> Parts:
-        """What a checkpoint holds, by name and by where it lives (see mmtrain/train_state.py)."""
+        """What a checkpoint holds, by name and by where it lives (see mmtrain/state/train_state.py)."""
         return Parts(
             sharded={"model": ModelPart(self.model), "optim": OptimizerPart(self.model, self.optimizer)},
             replicated={"train": self.state, "scheduler": self.scheduler,

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mmtrain.callbacks import Callback, Callbacks
-from mmtrain.checkpoint import STATE_FILE, load_state
 from mmtrain.curriculum import Curriculum
 from mmtrain.errors import UserError
+from mmtrain.state.checkpoint import STATE_FILE, load_state
 from mmtrain.trainer import Trainer
 
 STAGED = ["train.stages=[{until_step: 3, sources: [text]}]", "diagnostics.every=4", "diagnostics.batches=1",

@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from mmtrain.checkpoint import Checkpointer, load_for_inference, load_state
 from mmtrain.cli import main
 from mmtrain.config import from_dict
 from mmtrain.errors import UserError
 from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.run_config import RunConfig
+from mmtrain.state.checkpoint import Checkpointer, load_for_inference, load_state
 from mmtrain.trainer import Trainer
 
 

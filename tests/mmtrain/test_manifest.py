@@ -1,6 +1,6 @@
 """manifest.py spells the checkpoint's file names itself (checkpoint.py imports it, not the reverse)."""
 
-from mmtrain import checkpoint, manifest
+from mmtrain.state import checkpoint, manifest
 
 
 def test_manifest_names_a_ranks_files_as_checkpoint_writes_them():

@@ -11,9 +11,9 @@ import stat
 import pytest
 import torch
 
-from mmtrain.checkpoint import Checkpointer, load_state
 from mmtrain.cli import main
 from mmtrain.errors import UserError
+from mmtrain.state.checkpoint import Checkpointer, load_state
 from mmtrain.trainer import Trainer
 
 OVERRIDES = ["train.steps=6", "train.ckpt_every=2", "train.keep_last=3", "train.eval_batches=1"]

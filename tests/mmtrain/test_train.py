@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmtrain.checkpoint import Checkpointer, load_state
+from mmtrain.state.checkpoint import Checkpointer, load_state
 from mmtrain.trainer import Trainer
 
 

@@ -44,7 +44,10 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from mmtrain.checkpoint import (
+from mmtrain.curriculum import stage_at
+from mmtrain.errors import UserError
+from mmtrain.parallel.distributed import DistEnv
+from mmtrain.state.checkpoint import (
     DCP_DIR,
     Checkpointer,
     check_dcp_metadata,
@@ -52,9 +55,6 @@ from mmtrain.checkpoint import (
     load_state,
     quiet_single_process,
 )
-from mmtrain.curriculum import stage_at
-from mmtrain.errors import UserError
-from mmtrain.parallel.distributed import DistEnv
 
 FORMAT = 3  # 2: train counters and histories flat in state.pt; 1: everything in one state.pt
 SHARED_META = ("format", "world_size", "dp_size", "config")  # state.pt keys that are not parts

@@ -10,9 +10,9 @@ Layout of `RUN/step_<N>/` (see docs/DISTRIBUTED.md):
                     ledger, RNG states)
     config.yaml     the resolved run config
     tokenizer.json  a copy, so a checkpoint is usable without the corpus
-    manifest.json   size and SHA-256 of every file above, written last (mmtrain/manifest.py)
+    manifest.json   size and SHA-256 of every file above, written last (mmtrain/state/manifest.py)
 
-What the parts are and how they load is mmtrain/train_state.py's business; this module writes
+What the parts are and how they load is mmtrain/state/train_state.py's business; this module writes
 and reads the files. Every rank writes into the hidden `RUN/.step_<N>.tmp/`; after a barrier
 rank 0 renames it to `step_<N>` (a re-save of the same step swaps through `.step_<N>.old`). A
 crash at any point leaves the previous checkpoint as the newest complete one; resume takes the
@@ -50,8 +50,8 @@ import torch
 import yaml
 
 from mmtrain.errors import UserError
-from mmtrain.manifest import all_gather, own_entries, verify, write_manifest
 from mmtrain.parallel.distributed import DistEnv, barrier, broadcast_object
+from mmtrain.state.manifest import all_gather, own_entries, verify, write_manifest
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "state.pt"

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import yaml
 
-from mmtrain.checkpoint import (
+from mmtrain.errors import UserError
+from mmtrain.parallel.distributed import DistEnv
+from mmtrain.state.checkpoint import (
     CONFIG_FILE,
     TOKENIZER_FILE,
     WEIGHTS_FILE,
@@ -28,9 +30,7 @@ from mmtrain.checkpoint import (
     swap_in,
     tokenizer_file,
 )
-from mmtrain.errors import UserError
-from mmtrain.manifest import verify
-from mmtrain.parallel.distributed import DistEnv
+from mmtrain.state.manifest import verify
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
