@@ -1,7 +1,8 @@
 """The captioning eval's config (config section `captions`; the eval is mmtrain/captioning.py).
 
 Its own module because the run config composes it while the eval itself loads and decodes with
-mmtrain/loading.py and mmtrain/generate.py, which read the run config: imports point one way."""
+mmtrain/inference/loading.py and mmtrain/inference/generate.py, which read the run config: imports
+point one way."""
 
 from __future__ import annotations
 

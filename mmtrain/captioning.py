@@ -32,11 +32,11 @@ from mmtrain.caption_config import CaptionEvalConfig as CaptionEvalConfig  # re-
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS, decode_json
 from mmtrain.data_pipelines.ledger import SkipSample
+from mmtrain.inference.prompts import Prompt, iter_val_samples, sample_prompt
 from mmtrain.models.inference import SamplingConfig
-from mmtrain.prompts import Prompt, iter_val_samples, sample_prompt
 
 if TYPE_CHECKING:
-    from mmtrain.loading import Loaded
+    from mmtrain.inference.loading import Loaded
     from mmtrain.parallel.distributed import DistEnv
     from mmtrain.trainer import Trainer
 
@@ -146,7 +146,7 @@ def run_captioning(m: Loaded, cs: CaptionSet, cfg: CaptionEvalConfig, step: int,
                    ) -> CaptionResult:
     """Caption this rank's share of cs greedily, with real and blank media; counts summed over ranks."""
     # Imported here: run_config imports this module for its config, and these import run_config.
-    from mmtrain.generate import generate
+    from mmtrain.inference.generate import generate
     from mmtrain.parallel.distributed import DistEnv, all_reduce
 
     env = env or DistEnv()
@@ -203,7 +203,7 @@ class CaptionEval(Callback):
         record["captions"] = res.to_dict()
 
     def _caption(self, trainer: Trainer) -> CaptionResult:
-        from mmtrain.loading import Loaded, local_replica
+        from mmtrain.inference.loading import Loaded, local_replica
 
         model = local_replica(trainer.raw_model, trainer.device)
         modes = [(mod, mod.training) for mod in model.modules()]

@@ -13,8 +13,9 @@ from mmtrain.errors import run_guarded
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mmtrain import export_hf, generate, train
+    from mmtrain import train
     from mmtrain.data_pipelines import cli as data_cli
+    from mmtrain.inference import export_hf, generate
     from mmtrain.state import export
 
     parser = argparse.ArgumentParser(prog="mmtrain", description="joint text + image + video pretraining")

@@ -32,8 +32,8 @@ from mmtrain.data_pipelines.documents import Document, build_documents, encode
 from mmtrain.data_pipelines.ledger import SkipSample
 from mmtrain.data_pipelines.packing import assemble
 from mmtrain.data_pipelines.tokenizer import Tokenizer
+from mmtrain.inference.prompts import iter_val_samples, sample_prompt
 from mmtrain.models.attention import build_meta, recompute_probs
-from mmtrain.prompts import iter_val_samples, sample_prompt
 
 Box = tuple[float, float, float, float]  # [x0, y0, x1, y1] original px, x1/y1 exclusive
 # key.json attribute fields the pointing game scores -> category (British/American spelling)

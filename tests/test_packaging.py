@@ -56,3 +56,21 @@ def test_console_scripts_point_into_mmtrain(wheel, wheel_names):
     text = wheel.read(entry).decode()
     assert "mmtrain = mmtrain.cli:main" in text
     assert "mmtrain-attn = mmtrain.attention_maps.cli:main" in text
+
+
+def test_every_entry_point_names_a_function_in_the_wheel(wheel, wheel_names):
+    """Console scripts and the `lmms_eval.models` entry point: the module is installed and defines
+    the name (read, not imported: lmms_eval is not a dependency)."""
+    import ast
+
+    (entry,) = [n for n in wheel_names if n.endswith(".dist-info/entry_points.txt")]
+    targets = [line.split("=", 1)[1].strip() for line in wheel.read(entry).decode().splitlines()
+               if "=" in line]
+    assert len(targets) >= 3, targets
+    for target in targets:
+        module, attr = target.split(":")
+        path = module.replace(".", "/") + ".py"
+        assert path in wheel_names, target
+        tree = ast.parse(wheel.read(path).decode())
+        names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        assert attr in names, target

@@ -1,5 +1,5 @@
 """`mmtrain export CKPT --out DIR`: consolidated weights for consumers outside training
-(`--hf`: a Hugging Face transformers folder instead, mmtrain/export_hf.py; docs/EXPORT.md).
+(`--hf`: a Hugging Face transformers folder instead, mmtrain/inference/export_hf.py; docs/EXPORT.md).
 
 DIR gets `model.safetensors` (the full, unsharded model state dict), `config.yaml` (the resolved
 run config) and `tokenizer.json` (the checkpoint's copy, else the one `data.tokenizer` names, a

@@ -23,10 +23,16 @@ from mmtrain import cli
 from mmtrain.captioning import CaptionSet, build_caption_set, read_words, score
 from mmtrain.config import apply_override, from_dict
 from mmtrain.data_pipelines.packing import assemble
-from mmtrain.generate import generate, load
+from mmtrain.inference.generate import generate, load
+from mmtrain.inference.prompts import (
+    iter_val_samples,
+    medium_file,
+    prompt_document,
+    read_sample,
+    sample_prompt,
+)
 from mmtrain.models.inference import SamplingConfig, prefill
 from mmtrain.pointing import grounding_docs, pointing_scores
-from mmtrain.prompts import iter_val_samples, medium_file, prompt_document, read_sample, sample_prompt
 from mmtrain.report import print_summary
 from mmtrain.run_config import RunConfig
 from mmtrain.state.export import export

@@ -25,12 +25,12 @@ from mmtrain import cli
 from mmtrain.config import apply_override, from_dict
 from mmtrain.data_pipelines.packing import assemble
 from mmtrain.errors import UserError
-from mmtrain.export_hf import export_hf
-from mmtrain.generate import generate, load
 from mmtrain.hf.convert import from_hf
+from mmtrain.inference.export_hf import export_hf
+from mmtrain.inference.generate import generate, load
+from mmtrain.inference.prompts import prompt_document, read_sample, sample_prompt
 from mmtrain.models.inference import SamplingConfig, generate_tokens
 from mmtrain.models.multimodal import MultimodalModel
-from mmtrain.prompts import prompt_document, read_sample, sample_prompt
 from mmtrain.run_config import RunConfig
 
 transformers = pytest.importorskip("transformers")
@@ -340,7 +340,7 @@ def test_lmms_eval_model_scores_and_captions_as_mmtrain(exported):
     from PIL import Image
 
     from mmtrain.data_pipelines.preprocess import Decoded
-    from mmtrain.lmms_eval_model import MmtrainLMM
+    from mmtrain.inference.lmms_eval_model import MmtrainLMM
 
     m, sample, cont = exported["m"], _val(exported["corpus"], "image"), " a large"
     p0, p1 = (sample_prompt(sample, m.cfg.data.media, extra) for extra in ("", cont))
@@ -389,7 +389,7 @@ def test_the_folder_works_where_mmtrain_is_not_importable(exported, tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     m = exported["m"]
-    from mmtrain.prompts import Prompt
+    from mmtrain.inference.prompts import Prompt
 
     (doc,), batch = _batch(m, [Prompt("t", "text", [], "a small")])
     special = m.tokenizer.special

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from mmtrain.data_pipelines.ledger import SkipSample
 from mmtrain.errors import UserError
-from mmtrain.loading import Loaded, checkpoint_line, load_model
-from mmtrain.prompts import iter_val_samples, read_sample
+from mmtrain.inference.loading import Loaded, checkpoint_line, load_model
+from mmtrain.inference.prompts import iter_val_samples, read_sample
 
 from . import plots
 from .inputs import NoMediaError, doc_from_file, doc_from_sample, load_boxes

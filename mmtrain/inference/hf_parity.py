@@ -14,9 +14,9 @@ import torch
 from mmtrain.data_pipelines.batch import IMAGE
 from mmtrain.data_pipelines.packing import assemble
 from mmtrain.data_pipelines.preprocess import Decoded
-from mmtrain.generate import generate, load
+from mmtrain.inference.generate import generate, load
+from mmtrain.inference.prompts import Prompt, prompt_document
 from mmtrain.models.inference import SamplingConfig
-from mmtrain.prompts import Prompt, prompt_document
 
 NEW_TOKENS = 16
 

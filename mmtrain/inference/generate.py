@@ -6,8 +6,8 @@
 
 Library (notebooks, evals):
 
-    from mmtrain.generate import generate, load
-    from mmtrain.prompts import medium_file
+    from mmtrain.inference.generate import generate, load
+    from mmtrain.inference.prompts import medium_file
     m = load("runs/tiny")                                    # run, checkpoint or export directory
     res = generate(m, [medium_file("cat.png", "image", m.cfg.data.media)])
     print(res.generations[0].text)
@@ -31,9 +31,16 @@ import torch
 
 from mmtrain.data_pipelines.packing import assemble
 from mmtrain.errors import UserError
-from mmtrain.loading import Loaded, checkpoint_line, load_model
+from mmtrain.inference.loading import Loaded, checkpoint_line, load_model
+from mmtrain.inference.prompts import (
+    Prompt,
+    jsonl_prompts,
+    medium_file,
+    prompt_document,
+    read_samples,
+    sample_prompt,
+)
 from mmtrain.models.inference import SamplingConfig, generate_tokens
-from mmtrain.prompts import Prompt, jsonl_prompts, medium_file, prompt_document, read_samples, sample_prompt
 
 
 @dataclass

@@ -23,7 +23,7 @@ def manifest():
     """The entry point's payload: lmms-eval's registration of this model."""
     from lmms_eval.models.registry_v2 import ModelManifest
 
-    return ModelManifest("mmtrain", simple_class_path="mmtrain.lmms_eval_model.MmtrainLMM")
+    return ModelManifest("mmtrain", simple_class_path="mmtrain.inference.lmms_eval_model.MmtrainLMM")
 
 
 class MmtrainLMM(lmms):

@@ -21,13 +21,13 @@ from mmtrain.data_pipelines.tokenizer import SPECIAL_TOKENS, load_tokenizer
 from mmtrain.errors import UserError
 from mmtrain.hf import REMOTE_FILES
 from mmtrain.hf.convert import to_hf
-from mmtrain.hf_card import model_card
-from mmtrain.loading import clean_state_dict
+from mmtrain.inference.hf_card import model_card
+from mmtrain.inference.loading import clean_state_dict
 from mmtrain.state.checkpoint import load_for_inference, swap_in, tokenizer_file
 from mmtrain.state.export import resolve_checkpoint
 from mmtrain.state.export import run as run_mmtrain_export
 
-HF_DIR = Path(__file__).parent / "hf"
+HF_DIR = Path(__file__).parents[1] / "hf"  # mmtrain/hf/
 TRANSFORMERS_RANGE = ">=5.24,<6"  # tested with 5.24 (tests/mmtrain/test_hf_*.py)
 INDEX_FILE = "model.safetensors.index.json"
 SPECIAL_KEYS = ("pad", "bos", "eos", "image_start", "image_end", "image", "video_start", "video_end", "video")
@@ -149,7 +149,7 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_mib: float = 4096, pa
         shutil.copyfile(HF_DIR / f, tmp / f)
     figures = None
     if parity:
-        from mmtrain.hf_parity import measure
+        from mmtrain.inference.hf_parity import measure
 
         figures = measure(src, tmp)
     (tmp / "README.md").write_text(model_card(hfc, tensors, src, figures), encoding="utf-8")
