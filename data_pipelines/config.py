@@ -64,9 +64,9 @@ class MediaConfig:
 
 @dataclass
 class MixControllerConfig:
-    """The reliance-driven mixture controller (mmtrain/mixture.py): at each diagnostics run it raises
-    the document share of the sources of a media task whose reliance gap is low or falling, and
-    relaxes it back toward the configured weights once the gap is healthy."""
+    """The reliance-driven mixture controller (mmtrain/objectives/mixture.py): at each diagnostics
+    run it raises the document share of the sources of a media task whose reliance gap is low or
+    falling, and relaxes it back toward the configured weights once the gap is healthy."""
 
     kind: str = "none"  # none | reliance
     signal: str = "mismatch"  # which gap it reads: mismatch (own vs another document's media) | blank

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 @dataclass(kw_only=True)
 class StepStats:
-    """What one optimizer step did, all ranks together (built by the objective, mmtrain/objective.py)."""
+    """What one optimizer step did, all ranks together (built by mmtrain/objectives/objective.py)."""
 
     loss: float
     task_loss: dict[str, float]

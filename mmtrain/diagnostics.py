@@ -4,7 +4,7 @@
     result.alarms(), result.scalars(), result.to_dict()      # diagnostics_report.py
 
 Per batch, three forwards: real media (with q/k captured in every layer), blanked media
-(objectives.blank_media) and, with `mismatch`, each document's media swapped for another document's
+(terms.blank_media) and, with `mismatch`, each document's media swapped for another document's
 of the same kind and grid (evaluate.mismatch_media); losses are summed on the trained tokens of
 the media tasks. The attention statistics recompute at most `max_rows` text rows per batch (text
 tokens of media tasks after a visual token of their document, trained, evenly spaced) with each
@@ -45,7 +45,7 @@ from mmtrain.diagnostics_report import DiagConfig, DiagResult
 from mmtrain.evaluate import mismatch_media
 from mmtrain.frozen import frozen_state
 from mmtrain.models.attention import AttentionConfig, build_meta, even_subset, row_stats, text_rows
-from mmtrain.objectives import blank_media, task_losses
+from mmtrain.objectives.terms import blank_media, task_losses
 from mmtrain.pointing import GroundingDoc, pointing_scores
 
 Tensor = torch.Tensor

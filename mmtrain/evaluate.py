@@ -1,7 +1,7 @@
 """Held-out evaluation: per-modality loss and accuracy, and the visual reliance gap.
 
 The reliance gap of a task is its loss with every medium blanked (patches set to 0, i.e. the
-normalisation mean: a flat grey; `objectives.blank_media`) minus its loss with the real media. Near
+normalisation mean: a flat grey; `terms.blank_media`) minus its loss with the real media. Near
 zero means the text ignores the pixels: modality collapse. Blank media are out of distribution;
 `mismatch_media` gives the in-distribution counterpart (the diagnostics' mismatch gap): each
 document's media swapped for another document's real media of the same kind and patch grid.
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mmtrain.data_pipelines.batch import MEDIA_TASKS, TASK_NAMES, PackedBatch
-from mmtrain.objectives import blank_media, task_losses
+from mmtrain.objectives.terms import blank_media, task_losses
 
 
 @dataclass

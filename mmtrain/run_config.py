@@ -6,14 +6,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mmtrain.balance import BALANCERS, BalanceConfig
-from mmtrain.balance.signals import check_signals
 from mmtrain.caption_config import CaptionEvalConfig
 from mmtrain.checks import check
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.diagnostics import DiagConfig
-from mmtrain.mixture import SIGNAL_OF
 from mmtrain.models.multimodal import ModelConfig
+from mmtrain.objectives.balance import BALANCERS, BalanceConfig
+from mmtrain.objectives.balance.signals import check_signals
+from mmtrain.objectives.mixture import SIGNAL_OF
 
 
 @dataclass
@@ -50,7 +50,7 @@ class VisualSSLConfig:
 
 @dataclass
 class TokenWeightingConfig:
-    """Token reliance weighting (mmtrain/objectives.py, reliance_weights): each trained token of a
+    """Token reliance weighting (mmtrain/objectives/terms.py, reliance_weights): each trained token of a
     media task is weighted by how much the pixels help predict it, from an extra forward without
     grad with every medium blanked, on the rows that hold such tokens (about their share of a
     forward's cost). Per task and micro-batch the weights average 1; text tokens keep weight 1."""

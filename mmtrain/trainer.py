@@ -14,7 +14,7 @@ injection, and any user callback -- are callbacks (mmtrain/callbacks.py) it call
 One process, or one rank of a torchrun job: parallelism is applied from outside the model
 (mmtrain/parallel/parallelize.py), the process group comes from mmtrain/parallel/distributed.py.
 
-The loss of a micro-batch and every term in it are the objective's (mmtrain/objective.py): the
+The loss of a micro-batch and every term in it are the objective's (mmtrain/objectives/objective.py): the
 loop asks it for this rank's share, runs backward on share x world size (FSDP/DDP average
 gradients), and every rank takes the same decisions (skip a non-finite step, stop at the time
 limit) from the step's all-reduced sums.
@@ -33,11 +33,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from mmtrain.balance import build_balancer
 from mmtrain.callbacks import Callback, Callbacks, StepStats
 from mmtrain.captioning import CaptionEval
 from mmtrain.config import to_dict
-from mmtrain.curriculum import Curriculum, stage_data
 from mmtrain.data_pipelines.batch import TASK_NAMES, PackedBatch
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.data_pipelines.loader import build_loader
@@ -48,8 +46,10 @@ from mmtrain.errors import UserError
 from mmtrain.evaluate import EvalResult
 from mmtrain.faults import FaultInjection, faults_configured
 from mmtrain.logger import RunLogger
-from mmtrain.mixture import MixController
-from mmtrain.objective import Objective
+from mmtrain.objectives.balance import build_balancer
+from mmtrain.objectives.curriculum import Curriculum, stage_data
+from mmtrain.objectives.mixture import MixController
+from mmtrain.objectives.objective import Objective
 from mmtrain.optim import build_optimizer, build_scheduler
 from mmtrain.parallel.comm import Traffic
 from mmtrain.parallel.context_parallel import context_shard

@@ -21,7 +21,7 @@ from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.synth.world import COLOR_NAMES, MOTIONS, POSITIONS, SHAPES, SIZES
 from mmtrain.errors import run_guarded
 from mmtrain.inference.loading import checkpoint_line, load_model
-from mmtrain.objectives import blank_media
+from mmtrain.objectives.terms import blank_media
 
 WORD_CLASSES = {
     "colour": COLOR_NAMES,

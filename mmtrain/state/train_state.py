@@ -44,8 +44,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from mmtrain.curriculum import stage_at
 from mmtrain.errors import UserError
+from mmtrain.objectives.curriculum import stage_at
 from mmtrain.parallel.distributed import DistEnv
 from mmtrain.state.checkpoint import (
     DCP_DIR,

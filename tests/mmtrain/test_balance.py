@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mmtrain.balance import KINDS, BalanceConfig, build_balancer
-from mmtrain.balance.base import BALANCERS, Balancer, register
-from mmtrain.balance.signals import SIGNALS, check_signals
 from mmtrain.callbacks import Callbacks
 from mmtrain.config import ConfigError, from_dict, to_dict
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES
-from mmtrain.objectives import head_grads, task_losses
+from mmtrain.objectives.balance import KINDS, BalanceConfig, build_balancer
+from mmtrain.objectives.balance.base import BALANCERS, Balancer, register
+from mmtrain.objectives.balance.signals import SIGNALS, check_signals
+from mmtrain.objectives.terms import head_grads, task_losses
 
 BASE = {"text": 1.0, "image_text": 0.5, "video_text": 2.0}
 

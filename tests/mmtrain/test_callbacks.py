@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mmtrain.callbacks import Callback, Callbacks
-from mmtrain.curriculum import Curriculum
 from mmtrain.errors import UserError
+from mmtrain.objectives.curriculum import Curriculum
 from mmtrain.state.checkpoint import STATE_FILE, load_state
 from mmtrain.trainer import Trainer
 

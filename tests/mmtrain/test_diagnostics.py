@@ -19,7 +19,7 @@ from mmtrain.attention_maps.maps import batch_attention_stats
 from mmtrain.data_pipelines.batch import IMAGE, TASK_NAMES, TEXT
 from mmtrain.diagnostics import effective_rank, run_diagnostics
 from mmtrain.diagnostics_report import DiagConfig, DiagResult
-from mmtrain.objectives import dummy_batch
+from mmtrain.objectives.terms import dummy_batch
 from mmtrain.trainer import Trainer
 
 
@@ -255,7 +255,7 @@ def test_config_is_validated(field, value):
 
 
 def test_padding_only_batches_add_nothing(make_config, tmp_path):
-    """A rank short of val batches pads with dummy batches (objectives.dummy_batch): no task, no medium."""
+    """A rank short of val batches pads with dummy batches (terms.dummy_batch): no task, no medium."""
     tr = _trainer(make_config, tmp_path / "run")
     media = tr.cfg.data.media
     pad = dummy_batch(tr.cfg.data.seq_len, 3 * media.temporal_patch * media.patch_size ** 2)

@@ -20,7 +20,7 @@ import torch
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, IMAGE, MEDIA_TASKS, TASK_NAMES, VIDEO, PackedBatch
 from mmtrain.diagnostics import DiagConfig, DiagResult, run_diagnostics
 from mmtrain.evaluate import mismatch_media
-from mmtrain.objectives import task_losses
+from mmtrain.objectives.terms import task_losses
 from mmtrain.trainer import Trainer
 
 PATCH_DIM = 5

@@ -1,4 +1,4 @@
-"""The reliance-driven mixture controller (mmtrain/mixture.py): its rule, its bounds, and its
+"""The reliance-driven mixture controller (mmtrain/objectives/mixture.py): its rule, its bounds, and its
 contracts inside the trainer -- the shares it sets are the loader's, every step's batch follows them,
 and a run killed after a change resumes bit-identically."""
 
@@ -12,7 +12,7 @@ import pytest
 from mmtrain.callbacks import Callback
 from mmtrain.data_pipelines.config import MixControllerConfig, SourceConfig
 from mmtrain.errors import ConfigError
-from mmtrain.mixture import MixController, clip_shares
+from mmtrain.objectives.mixture import MixController, clip_shares
 from mmtrain.trainer import Trainer
 
 TASKS = {"image": "image_text", "video": "video_text", "interleaved": "image_text"}

@@ -14,17 +14,17 @@ import dataclasses
 import pytest
 import torch
 
-from mmtrain.balance import build_balancer
 from mmtrain.config import apply_override, from_dict
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES
 from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.tokenizer import load_tokenizer
 from mmtrain.models.multimodal import MultimodalModel
-from mmtrain.objective import Objective, StepSums
-from mmtrain.objectives import media_tokens, task_losses, weighted_total, z_loss
+from mmtrain.objectives.balance import build_balancer
+from mmtrain.objectives.objective import Objective, StepSums
+from mmtrain.objectives.terms import media_tokens, task_losses, weighted_total, z_loss
+from mmtrain.objectives.token_weighting import TokenWeightingSums
 from mmtrain.parallel.distributed import current_env
 from mmtrain.run_config import RunConfig
-from mmtrain.token_weighting import TokenWeightingSums
 
 CPU = torch.device("cpu")
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mmtrain.config import ConfigError
-from mmtrain.curriculum import Curriculum
 from mmtrain.diagnostics_callback import DIAG_FILE
+from mmtrain.objectives.curriculum import Curriculum
 from mmtrain.trainer import Trainer
 
 

@@ -15,10 +15,17 @@ import torch
 
 from mmtrain.config import apply_override, from_dict
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_IMAGE_TEXT, TASK_TEXT, TASK_VIDEO_TEXT
-from mmtrain.objective import StepSums
-from mmtrain.objectives import blank_media, media_tokens, reliance_weights, reweighted, take_rows, task_losses
+from mmtrain.objectives.objective import StepSums
+from mmtrain.objectives.terms import (
+    blank_media,
+    media_tokens,
+    reliance_weights,
+    reweighted,
+    take_rows,
+    task_losses,
+)
+from mmtrain.objectives.token_weighting import TokenWeightingSums
 from mmtrain.run_config import RunConfig
-from mmtrain.token_weighting import TokenWeightingSums
 from mmtrain.trainer import Trainer
 
 

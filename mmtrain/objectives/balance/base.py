@@ -2,7 +2,7 @@
 
 A balancer is a stateful callback (checkpoint part `balancer`): `weights()` are the configured
 static weights times one adaptive multiplier per task; `observe(signals, step)` gets the signals
-it declares (`signals`, names in mmtrain/balance/signals.py) when their source has them: the
+it declares (`signals`, names in mmtrain/objectives/balance/signals.py) when their source has them: the
 objective's after every optimizer step that was not skipped, the diagnostics' after each run
 (`on_diagnostics`). `@register` enters a class under its `kind` with its `Config` dataclass.
 
@@ -17,9 +17,9 @@ import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mmtrain.balance.signals import SIGNALS
 from mmtrain.callbacks import Callback
 from mmtrain.data_pipelines.batch import TASK_NAMES
+from mmtrain.objectives.balance.signals import SIGNALS
 
 Signals = dict[str, dict[str, float]]  # signal name -> task -> value
 BALANCERS: dict[str, type[Balancer]] = {}  # kind -> class, filled by @register
@@ -59,7 +59,7 @@ class Balancer(Callback):
 
     kind: ClassVar[str] = "static"
     Config: ClassVar[type] = StaticConfig
-    signals: ClassVar[tuple[str, ...]] = ()  # what observe() reads (mmtrain/balance/signals.py)
+    signals: ClassVar[tuple[str, ...]] = ()  # what observe() reads (mmtrain/objectives/balance/signals.py)
     name = "balancer"
     part = "balancer"  # the checkpoint part (not callback.balancer: older checkpoints name it so)
 

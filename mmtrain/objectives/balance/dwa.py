@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mmtrain.balance.base import Balancer, Signals, clean, ratio, register
 from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import TASK_NAMES
+from mmtrain.objectives.balance.base import Balancer, Signals, clean, ratio, register
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """Token reliance weighting (`loss.token_weighting`) inside the train step.
 
 Before the training forward of a micro-batch, a forward without grad with every medium blanked,
-on the rows that hold media-task trained tokens only (`objectives.take_rows`; documents never
+on the rows that hold media-task trained tokens only (`terms.take_rows`; documents never
 cross rows, so the rows' outputs equal the whole batch's), gives each caption token's loss
 without the pixels. The media tasks' loss then weights each token by how much the pixels help
-(`objectives.reliance_weights`); the unweighted losses stay what is logged and balanced.
+(`terms.reliance_weights`); the unweighted losses stay what is logged and balanced.
 
 It runs first so its activations are freed before the training graph exists. Training state is
 left alone (`frozen.frozen_state`: eval mode, so MoE layers count no load, RNG restored).
@@ -22,7 +22,8 @@ import torch
 
 from mmtrain.data_pipelines.batch import PackedBatch
 from mmtrain.frozen import frozen_state
-from mmtrain.objectives import (
+from mmtrain.objectives.sums import Sums
+from mmtrain.objectives.terms import (
     MEDIA_TASK_IDS,
     TaskLosses,
     blank_media,
@@ -34,7 +35,6 @@ from mmtrain.objectives import (
     token_losses,
 )
 from mmtrain.run_config import TokenWeightingConfig
-from mmtrain.sums import Sums
 
 
 @dataclass

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmtrain.balance.base import Balancer, Signals, clean, register
 from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import MEDIA_TASKS
+from mmtrain.objectives.balance.base import Balancer, Signals, clean, register
 
 
 @dataclass

@@ -28,10 +28,10 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mmtrain.balance.signals import SIGNALS
 from mmtrain.callbacks import Callback, StepStats
 from mmtrain.data_pipelines.batch import MEDIA_TASKS
 from mmtrain.data_pipelines.config import MixControllerConfig, SourceConfig
+from mmtrain.objectives.balance.signals import SIGNALS
 
 if TYPE_CHECKING:
     from mmtrain.diagnostics import DiagResult

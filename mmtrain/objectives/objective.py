@@ -25,17 +25,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmtrain.balance import Balancer
 from mmtrain.callbacks import StepStats
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TEXT, PackedBatch
 from mmtrain.models.attention.counts import ATTN_COUNTS
 from mmtrain.models.vision import make_ssl_mask
-from mmtrain.objectives import TaskLosses, dummy_batch, head_grads, task_losses, weighted_total, z_loss
+from mmtrain.objectives.balance import Balancer
+from mmtrain.objectives.sums import Sums
+from mmtrain.objectives.terms import TaskLosses, dummy_batch, head_grads, task_losses, weighted_total, z_loss
+from mmtrain.objectives.token_weighting import TokenWeighting, TokenWeightingSums
 from mmtrain.parallel.context_parallel import local_targets
 from mmtrain.parallel.distributed import DistEnv, all_reduce
 from mmtrain.run_config import RunConfig
-from mmtrain.sums import Sums
-from mmtrain.token_weighting import TokenWeighting, TokenWeightingSums
 
 
 def _per_task() -> dict[str, float]:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from mmtrain.balance import dwa, gradnorm, reliance_guard, uncertainty  # noqa: F401  (they register)
-from mmtrain.balance.base import BALANCERS, Balancer, Signals
 from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import TASK_NAMES
+from mmtrain.objectives.balance import dwa, gradnorm, reliance_guard, uncertainty  # noqa: F401  (they register)
+from mmtrain.objectives.balance.base import BALANCERS, Balancer, Signals
 
 KINDS = tuple(BALANCERS)
 
