@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mmtrain.caption_config import CaptionEvalConfig
 from mmtrain.checks import check
 from mmtrain.data_pipelines.config import DataConfig
-from mmtrain.diagnostics import DiagConfig
+from mmtrain.evaluation.caption_config import CaptionEvalConfig
+from mmtrain.evaluation.diagnostics import DiagConfig
 from mmtrain.models.multimodal import ModelConfig
 from mmtrain.objectives.balance import BALANCERS, BalanceConfig
 from mmtrain.objectives.balance.signals import check_signals

@@ -7,7 +7,7 @@ import argparse
 import time
 
 from mmtrain.config import load_config
-from mmtrain.report import print_summary
+from mmtrain.evaluation.report import print_summary
 from mmtrain.run_config import RunConfig
 
 

@@ -34,16 +34,16 @@ import torch
 import yaml
 
 from mmtrain.callbacks import Callback, Callbacks, StepStats
-from mmtrain.captioning import CaptionEval
 from mmtrain.config import to_dict
 from mmtrain.data_pipelines.batch import TASK_NAMES, PackedBatch
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.tokenizer import load_tokenizer
-from mmtrain.diagnostics_callback import Diagnostics
-from mmtrain.dist_eval import evaluate_ranks
 from mmtrain.errors import UserError
-from mmtrain.evaluate import EvalResult
+from mmtrain.evaluation.captioning import CaptionEval
+from mmtrain.evaluation.diagnostics_callback import Diagnostics
+from mmtrain.evaluation.dist_eval import evaluate_ranks
+from mmtrain.evaluation.evaluate import EvalResult
 from mmtrain.faults import FaultInjection, faults_configured
 from mmtrain.logger import RunLogger
 from mmtrain.objectives.balance import build_balancer

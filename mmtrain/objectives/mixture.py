@@ -34,7 +34,7 @@ from mmtrain.data_pipelines.config import MixControllerConfig, SourceConfig
 from mmtrain.objectives.balance.signals import SIGNALS
 
 if TYPE_CHECKING:
-    from mmtrain.diagnostics import DiagResult
+    from mmtrain.evaluation.diagnostics import DiagResult
     from mmtrain.trainer import Trainer
 
 SIGNAL_OF = {"mismatch": "mismatch_gap", "blank": "reliance_gap"}  # controller.signal -> the signal read

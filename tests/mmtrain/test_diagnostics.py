@@ -17,8 +17,8 @@ from torch import nn
 
 from mmtrain.attention_maps.maps import batch_attention_stats
 from mmtrain.data_pipelines.batch import IMAGE, TASK_NAMES, TEXT
-from mmtrain.diagnostics import effective_rank, run_diagnostics
-from mmtrain.diagnostics_report import DiagConfig, DiagResult
+from mmtrain.evaluation.diagnostics import effective_rank, run_diagnostics
+from mmtrain.evaluation.diagnostics_report import DiagConfig, DiagResult
 from mmtrain.objectives.terms import dummy_batch
 from mmtrain.trainer import Trainer
 

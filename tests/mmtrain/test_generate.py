@@ -20,9 +20,11 @@ import torch
 from PIL import Image
 
 from mmtrain import cli
-from mmtrain.captioning import CaptionSet, build_caption_set, read_words, score
 from mmtrain.config import apply_override, from_dict
 from mmtrain.data_pipelines.packing import assemble
+from mmtrain.evaluation.captioning import CaptionSet, build_caption_set, read_words, score
+from mmtrain.evaluation.pointing import grounding_docs, pointing_scores
+from mmtrain.evaluation.report import print_summary
 from mmtrain.inference.generate import generate, load
 from mmtrain.inference.prompts import (
     iter_val_samples,
@@ -32,8 +34,6 @@ from mmtrain.inference.prompts import (
     sample_prompt,
 )
 from mmtrain.models.inference import SamplingConfig, prefill
-from mmtrain.pointing import grounding_docs, pointing_scores
-from mmtrain.report import print_summary
 from mmtrain.run_config import RunConfig
 from mmtrain.state.export import export
 from mmtrain.trainer import Trainer

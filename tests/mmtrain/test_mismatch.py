@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, IMAGE, MEDIA_TASKS, TASK_NAMES, VIDEO, PackedBatch
-from mmtrain.diagnostics import DiagConfig, DiagResult, run_diagnostics
-from mmtrain.evaluate import mismatch_media
+from mmtrain.evaluation.diagnostics import DiagConfig, DiagResult, run_diagnostics
+from mmtrain.evaluation.evaluate import mismatch_media
 from mmtrain.objectives.terms import task_losses
 from mmtrain.trainer import Trainer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mmtrain.config import ConfigError
-from mmtrain.diagnostics_callback import DIAG_FILE
+from mmtrain.evaluation.diagnostics_callback import DIAG_FILE
 from mmtrain.objectives.curriculum import Curriculum
 from mmtrain.trainer import Trainer
 

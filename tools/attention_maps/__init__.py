@@ -10,7 +10,7 @@ Pictures and the report: plots, render, report; the command line: cli (session r
 They build on pieces that live below them and that the trainer's collapse diagnostics use directly
 (the diagnostics do not import this package): mmtrain.inference.loading (load_model: checkpoint, run or export
 directory), mmtrain.inference.prompts (read_sample, iter_val_samples), mmtrain.models.attention.stats (row
-selection and reductions) and mmtrain.pointing (the pointing game's geometry).
+selection and reductions) and mmtrain.evaluation.pointing (the pointing game's geometry).
 See docs/ATTENTION_MAPS.md.
 """
 

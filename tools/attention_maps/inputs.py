@@ -35,8 +35,8 @@ from mmtrain.data_pipelines.preprocess import Decoded, subsample
 from mmtrain.data_pipelines.shards import RawSample
 from mmtrain.data_pipelines.tokenizer import Tokenizer
 from mmtrain.errors import UserError
+from mmtrain.evaluation.pointing import uniform_box
 from mmtrain.inference.prompts import read_medium
-from mmtrain.pointing import uniform_box
 
 KIND_NAMES = {IMAGE: "image", VIDEO: "video"}
 # Object fields that are not one-word attributes a caption word could name.

@@ -5,7 +5,8 @@ A forward with `capture_layers` records q and k (after RoPE) and a sparse layer'
 with exactly the layer's mask. Rows are processed in chunks and reduced at once (probability mass on
 visual tokens, entropy, sink mass, and the probabilities over the document's visual tokens), so no
 S x S map is ever held. The row selection and reductions (doc_first_BS, text_rows, row_stats) live
-in models/attention/stats.py, shared with the trainer's collapse diagnostics (mmtrain/diagnostics.py).
+in models/attention/stats.py, shared with the trainer's collapse diagnostics
+(mmtrain/evaluation/diagnostics.py).
 
 Definitions (per layer, per head, per query row):
   mass    = sum of the row's probabilities on visual tokens (they are all in the query's document);

@@ -1,5 +1,5 @@
 """Grounding metrics from recomputed attention: text-to-visual mass / entropy / sink, and the pointing game
-(its geometry -- token rectangles, box masks, hits, chance levels -- is mmtrain/pointing.py, shared
+(its geometry -- token rectangles, box masks, hits, chance levels -- is mmtrain/evaluation/pointing.py, shared
 with the collapse diagnostics).
 
 Pointing game (Zhang et al. 2016, adapted to a token grid). For a caption word that names exactly one
@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from mmtrain import pointing
-from mmtrain.pointing import chance_levels, pointing_hit, touches
+from mmtrain.evaluation import pointing
+from mmtrain.evaluation.pointing import chance_levels, pointing_hit, touches
 
 from .inputs import DocInputs, MediumInfo, ObjectBoxes, Word
 from .maps import DocAttention

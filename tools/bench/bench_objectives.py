@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from mmtrain.config import load_config
-from mmtrain.diagnostics import run_diagnostics
+from mmtrain.evaluation.diagnostics import run_diagnostics
 from mmtrain.run_config import RunConfig
 from mmtrain.trainer import Trainer
 

@@ -1,4 +1,4 @@
-"""The captioning eval's config (config section `captions`; the eval is mmtrain/captioning.py).
+"""The captioning eval's config (config section `captions`; the eval is mmtrain/evaluation/captioning.py).
 
 Its own module because the run config composes it while the eval itself loads and decodes with
 mmtrain/inference/loading.py and mmtrain/inference/generate.py, which read the run config: imports

@@ -41,12 +41,12 @@ from mmtrain.data_pipelines.batch import (
     VIDEO,
     PackedBatch,
 )
-from mmtrain.diagnostics_report import DiagConfig, DiagResult
-from mmtrain.evaluate import mismatch_media
+from mmtrain.evaluation.diagnostics_report import DiagConfig, DiagResult
+from mmtrain.evaluation.evaluate import mismatch_media
+from mmtrain.evaluation.pointing import GroundingDoc, pointing_scores
 from mmtrain.frozen import frozen_state
 from mmtrain.models.attention import AttentionConfig, build_meta, even_subset, row_stats, text_rows
 from mmtrain.objectives.terms import blank_media, task_losses
-from mmtrain.pointing import GroundingDoc, pointing_scores
 
 Tensor = torch.Tensor
 MEDIA_KINDS = {IMAGE: "image", VIDEO: "video"}

@@ -5,7 +5,7 @@ mismatch gaps), per layer and task the text->visual attention mass, entropy and 
 layer the expert load and router entropy per modality, the effective ranks of the pooled visual
 embeddings per kind, and the pointing game; `scalars()` is the TensorBoard view, `alarms()` one
 line per signal past its `DiagConfig` threshold (none before `warmup_steps`), `to_dict()` the
-JSON line of the run's history. How they are measured: mmtrain/diagnostics.py.
+JSON line of the run's history. How they are measured: mmtrain/evaluation/diagnostics.py.
 
 Legend: E routed experts, H, W image height and width.
 """
@@ -37,7 +37,7 @@ class DiagConfig:
     min_effective_rank: float = 2.0
     max_expert_load_ratio: float = 4.0  # max / mean expert load within one modality and MoE layer
     min_router_entropy: float = 0.1  # nats
-    # Pointing game (mmtrain/pointing.py) on the first val images/videos whose key.json has boxes,
+    # Pointing game (mmtrain/evaluation/pointing.py) on the first val images/videos whose key.json has boxes,
     # each with its own caption; 0 = off (corpora without boxes: nothing to score).
     pointing_media: int = 8
     mismatch: bool = True  # the mismatch gap: a third forward per batch with media swapped across documents

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mmtrain.data_pipelines.batch import MEDIA_TASKS, TASK_NAMES, PackedBatch
-from mmtrain.evaluate import EvalResult, evaluate
+from mmtrain.evaluation.evaluate import EvalResult, evaluate
 from mmtrain.parallel.distributed import DistEnv, all_reduce
 
 

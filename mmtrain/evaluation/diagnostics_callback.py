@@ -1,4 +1,4 @@
-"""Collapse diagnostics (mmtrain/diagnostics.py) as a callback: at the start, every
+"""Collapse diagnostics (mmtrain/evaluation/diagnostics.py) as a callback: at the start, every
 `diagnostics.every` steps and at the last step, on the first `diagnostics.batches` val batches.
 
 Each run goes to TensorBoard (`diag/*`, the expert-load heatmap), to `RUN/diagnostics.jsonl`
@@ -14,10 +14,10 @@ import json
 from typing import TYPE_CHECKING
 
 from mmtrain.callbacks import Callback, StepStats
-from mmtrain.diagnostics import DiagConfig, run_diagnostics
-from mmtrain.dist_eval import pad_to_most
+from mmtrain.evaluation.diagnostics import DiagConfig, run_diagnostics
+from mmtrain.evaluation.dist_eval import pad_to_most
+from mmtrain.evaluation.pointing import grounding_docs
 from mmtrain.parallel.distributed import all_reduce
-from mmtrain.pointing import grounding_docs
 
 if TYPE_CHECKING:
     from mmtrain.trainer import Trainer

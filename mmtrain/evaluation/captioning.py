@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmtrain.callbacks import Callback
-from mmtrain.caption_config import CaptionEvalConfig as CaptionEvalConfig  # re-exported
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.data_pipelines.decode import IMAGE_EXTS, VIDEO_EXTS, decode_json
 from mmtrain.data_pipelines.ledger import SkipSample
+from mmtrain.evaluation.caption_config import CaptionEvalConfig as CaptionEvalConfig  # re-exported
 from mmtrain.inference.prompts import Prompt, iter_val_samples, sample_prompt
 from mmtrain.models.inference import SamplingConfig
 
