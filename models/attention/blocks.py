@@ -140,3 +140,23 @@ def full_intervals(meta: AttnMeta, tile: int) -> tuple[Tensor, Tensor]:
         hi_BQ = q_BQ.clone().scatter_reduce(1, tile_BS, meta.span_last_BS // tile, "amax")
         meta.cache[key] = (lo_BQ, hi_BQ)
     return meta.cache[key]
+
+
+def tile_mask(idx_BGCT: Tensor, doc_BXb: Tensor, skey_BXb: Tensor, pos_Xb: Tensor, c0: int,
+              keep_BGCbT: Tensor | None) -> Tensor:
+    """(B, G, C, Bs, T * Bs) the token rule of tiles c0 .. c0 + C over their listed blocks (null-block
+    keys carry a doc no query has), AND the block rule `keep` if given."""
+    B, G, C, T = idx_BGCT.shape
+    Bs = doc_BXb.shape[-1]
+    b_B111 = torch.arange(B, device=idx_BGCT.device).view(B, 1, 1, 1)
+    doc_BGCJ = doc_BXb[b_B111, idx_BGCT].view(B, G, C, T * Bs)
+    skey_BGCJ = skey_BXb[b_B111, idx_BGCT].view(B, G, C, T * Bs)
+    kpos_BGCJ = pos_Xb[idx_BGCT].view(B, G, C, T * Bs)
+    doc_B1Cb1 = doc_BXb[:, None, c0:c0 + C, :, None]
+    skey_B1Cb1 = skey_BXb[:, None, c0:c0 + C, :, None]
+    qpos_1Cb1 = pos_Xb[None, c0:c0 + C, :, None]
+    mask_BGCbJ = (doc_B1Cb1 == doc_BGCJ[:, :, :, None]) & (
+        (kpos_BGCJ[:, :, :, None] <= qpos_1Cb1) | (skey_B1Cb1 == skey_BGCJ[:, :, :, None]))
+    if keep_BGCbT is not None:
+        mask_BGCbJ = mask_BGCbJ & keep_BGCbT.repeat_interleave(Bs, -1)
+    return mask_BGCbJ

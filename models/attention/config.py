@@ -32,7 +32,9 @@ class AttentionConfig:
     # Extensions (all defaulted): implementation knobs that never change the function computed.
     dense_impl: Literal["sdpa", "eager"] = "sdpa"  # eager = the fp32 reference
     gather_chunk: int = 32  # query blocks per gather chunk (bounds the transient memory)
-    gather_checkpoint: bool = True  # recompute each chunk in backward: O(S*D) saved, not O(S*k*B)
+    # Recompute each chunk in backward: O(S*D) saved, not O(S*k*B) (full layers and the eager or
+    # non-CPU kernels: the sparse layers' CPU kernel, tiles.py, never saves tiles)
+    gather_checkpoint: bool = True
     # ... only when a layer's gathered tiles (keys, values, the fused call's mask) would hold more
     # than this many MiB: below it keeping them costs less than the recompute (0: always).
     gather_checkpoint_mib: float = 256.0

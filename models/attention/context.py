@@ -21,7 +21,6 @@ P ranks of the group, n rows exchanged, F = 2 * K * D (a slot's key and value).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,7 +28,7 @@ import torch
 
 from .blocks import sparse_lists
 from .config import AttentionConfig
-from .gather import _tiles, _untile, attend_gather_full, sparse_tiles
+from .gather import attend_gather_full, sparse_tiles
 from .meta import AttnMeta
 from .select import select_aligned
 
@@ -172,14 +171,11 @@ def _attend_sparse(q_BHsD: Tensor, k_BKsD: Tensor, v_BKsD: Tensor, meta: AttnMet
     t0, t1 = _tile_range(meta, shard)
     sel = _select(q_BHsD, k_BKsD, meta, cfg, shard, slot_Bs, (t0, t1))
     lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
-    G = lists_BGAT.shape[1]
     need_BA = torch.zeros(B, A + 1, dtype=torch.bool, device=q_BHsD.device).scatter_(
         1, lists_BGAT[:, :, t0:t1].reshape(B, -1), True)[:, :A]  # the null block A: dropped
     k_BKLD, v_BKLD = _fetch(k_BKsD, v_BKsD, need_BA, meta, shard, slot_Bs)
-    q_BHYD = _to_aligned_local(q_BHsD * (1 / math.sqrt(D)), slot_Bs, L)[:, :, t0 * Bs:t1 * Bs]
-    out_BGYMD = sparse_tiles(_tiles(q_BHYD, G, t1 - t0, Bs), k_BKLD, v_BKLD, meta, cfg, sel, lists_BGAT, t0,
-                             q_BHsD, k_BKsD, v_BKsD)
-    out_BHYD = _untile(out_BGYMD, H, Bs)  # (B, H, Y * Bs, D): the rank's tiles
+    q_BHYD = _to_aligned_local(q_BHsD, slot_Bs, L)[:, :, t0 * Bs:t1 * Bs]
+    out_BHYD = sparse_tiles(q_BHYD, k_BKLD, v_BKLD, meta, cfg, sel, lists_BGAT, t0, q_BHsD, k_BKsD, v_BKsD)
     if t1 == t0:  # padding only: zeros, still tied to q, k, v (zero gradients, as on every rank)
         return q_BHsD * 0 + (k_BKsD.sum() + v_BKsD.sum()) * 0
     idx_Bs = (slot_Bs - t0 * Bs).clamp(0, out_BHYD.shape[2] - 1)

@@ -1,23 +1,21 @@
 """The `gather` backend: pure PyTorch block-sparse attention, trainable on CPU and GPU.
 
-A tile is a block of Bs query tokens; per tile the key blocks it visits (a fixed count T per
-call, shorter lists padded with a null block whose keys match no query) are gathered, the token
-rule (and for sparse layers the per-token block rule, `blocks.kept`) is applied inside them, and
-a softmax over the T * Bs gathered keys gives the output. Vectorised over tiles, processed in
-chunks of tiles to bound the transient memory; with `gather_checkpoint` each chunk is recomputed
-in backward (activation memory O(S * D) + one chunk's O(C * T * Bs^2)) once the layer's gathered
-tiles would hold more than `gather_checkpoint_mib` (short rows keep them: cheaper than recomputing).
-  * sparse layers run on the aligned layout (meta.py): tiles are document blocks, the lists
-    come from `blocks.sparse_lists`;
-  * full layers run on the row layout in tiles of cfg.full_tile tokens (they have no blocks, so
-    the tile is free): a tile visits the contiguous range of tiles its tokens can reach
-    (`blocks.full_intervals`), generated per chunk, never stored as Q x T.
+A tile is a block of Bs query tokens; per tile the key blocks it visits (T per call, shorter
+lists padded with a null block whose keys match no query) are gathered, the token rule (and for
+sparse layers the block rule, `blocks.kept`) applied inside them, and a softmax over the gathered
+keys gives the output, in chunks of tiles to bound the transient memory.
+  * sparse layers run on the aligned layout (meta.py): tiles are document blocks, the lists come
+    from `blocks.sparse_lists`; on CPU the fused kernel is tiles.py (no mask where every key is
+    visible, its own backward); elsewhere, or with gather_kernel "eager", the chunks below;
+  * full layers run on the row layout in tiles of cfg.full_tile tokens: a tile visits the range
+    of tiles its tokens can reach (`blocks.full_intervals`), generated per chunk.
+With `gather_checkpoint` the chunks below are recomputed in backward once a layer's gathered
+tiles would hold more than `gather_checkpoint_mib`.
 
 Legend: B batch, H query heads, K kv heads, S tokens, D head dim, G selection heads (H, K),
-R = H // G query heads per selection head, Bs block size, M = R * Bs query rows of a tile,
-X tiles + the null block, C tiles in a chunk, T gathered blocks per tile, J = T * Bs keys,
-A aligned blocks, L = A * Bs aligned slots, Q row blocks, P = Q * Bs; s, Y: a context-parallel
-rank's query tokens and tiles.
+R = H // G, Bs block size, M = R * Bs rows of a tile, X tiles + the null block, C tiles in a
+chunk, T gathered blocks per tile, J = T * Bs, A aligned blocks, L = A * Bs aligned slots,
+Q row blocks, P = Q * Bs (sparse_tiles: Y * Bs, the tiles asked for); s: a rank's queries.
 """
 
 from __future__ import annotations
@@ -28,12 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .blocks import full_intervals, sparse_lists, tile_keep
+from .blocks import full_intervals, sparse_lists, tile_keep, tile_mask
 from .config import AttentionConfig
 from .meta import AttnMeta
 from .opaque import attend_sparse_opaque
 from .registry import ANY, BOTH, SPARSE, Backend, register_backend
 from .select import Selection, from_aligned, to_aligned
+from .tiles import plan_chunks, tile_attention
 
 Tensor = torch.Tensor
 _MAX_SCORE_ELEMS = 2**25  # cap on a chunk's score tensor (elements), whatever gather_chunk says
@@ -49,18 +48,7 @@ def _chunk(q_BGCMD: Tensor, k_BGXbD: Tensor, v_BGXbD: Tensor, idx_BGCT: Tensor, 
     flat_N = (idx_BGCT + X1 * torch.arange(B * G, device=idx_BGCT.device).view(B, G, 1, 1)).reshape(-1)
     k_BGCJD = k_BGXbD.reshape(B * G * X1, Bs * D).index_select(0, flat_N).view(B, G, C, T * Bs, D)
     v_BGCJD = v_BGXbD.reshape(B * G * X1, Bs * D).index_select(0, flat_N).view(B, G, C, T * Bs, D)
-    b_B111 = torch.arange(B, device=idx_BGCT.device).view(B, 1, 1, 1)
-    # Token rule inside the gathered blocks (null-block keys carry a doc no query has).
-    doc_BGCJ = doc_BXb[b_B111, idx_BGCT].view(B, G, C, T * Bs)
-    skey_BGCJ = skey_BXb[b_B111, idx_BGCT].view(B, G, C, T * Bs)
-    kpos_BGCJ = pos_Xb[idx_BGCT].view(B, G, C, T * Bs)
-    doc_B1Cb1 = doc_BXb[:, None, c0:c0 + C, :, None]
-    skey_B1Cb1 = skey_BXb[:, None, c0:c0 + C, :, None]
-    qpos_1Cb1 = pos_Xb[None, c0:c0 + C, :, None]
-    mask_BGCbJ = (doc_B1Cb1 == doc_BGCJ[:, :, :, None]) & (
-        (kpos_BGCJ[:, :, :, None] <= qpos_1Cb1) | (skey_B1Cb1 == skey_BGCJ[:, :, :, None]))
-    if keep_BGCbT is not None:
-        mask_BGCbJ = mask_BGCbJ & keep_BGCbT.repeat_interleave(Bs, -1)
+    mask_BGCbJ = tile_mask(idx_BGCT, doc_BXb, skey_BXb, pos_Xb, c0, keep_BGCbT)
     if fused:
         return _fused(q_BGCMD, k_BGCJD, v_BGCJD, mask_BGCbJ)
     s_BGCMJ = q_BGCMD @ k_BGCJD.transpose(-1, -2)
@@ -142,35 +130,38 @@ def _wants_ckpt(cfg: AttentionConfig, q_tiles: Tensor, T: int, Bs: int, *qkv: Te
 def attend_gather_sparse(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
                          sel: Selection) -> Tensor:
     """A sparse layer on the aligned layout (every tile one document block)."""
-    B, H, S, D = q_BHSD.shape
     lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
-    q_BGAMD = _tiles(to_aligned(q_BHSD * (1 / math.sqrt(D)), meta), lists_BGAT.shape[1],
-                     meta.aligned().aligned_blocks, cfg.block_size)
-    out_BGAMD = sparse_tiles(q_BGAMD, to_aligned(k_BKSD, meta), to_aligned(v_BKSD, meta), meta, cfg, sel,
-                             lists_BGAT, 0, q_BHSD, k_BKSD, v_BKSD)
-    return from_aligned(_untile(out_BGAMD, H, cfg.block_size), meta).to(q_BHSD.dtype)
+    q_BHLD, k_BKLD, v_BKLD = (to_aligned(t, meta) for t in (q_BHSD, k_BKSD, v_BKSD))
+    out_BHLD = sparse_tiles(q_BHLD, k_BKLD, v_BKLD, meta, cfg, sel, lists_BGAT, 0, q_BHSD, k_BKSD, v_BKSD)
+    return from_aligned(out_BHLD, meta).to(q_BHSD.dtype)
 
 
-def sparse_tiles(q_BGYMD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+def sparse_tiles(q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
                  sel: Selection, lists_BGAT: Tensor, t0: int, *qkv: Tensor) -> Tensor:
-    """The sparse rule's tile attention: queries of the aligned tiles t0 .. t0 + Y (scaled, tiled),
-    keys and values in aligned slots (B, K, L, D), each tile visiting its list; -> (B, G, Y, M, D).
+    """The sparse rule's tile attention: queries of the aligned tiles t0 .. t0 + Y (B, H, Y * Bs, D),
+    keys and values in aligned slots (B, K, L, D), each tile visiting its list; -> like q.
     `qkv`: the layer's inputs, whose grad decides the chunk checkpointing. The whole layer's tiles
     in one process (t0 = 0), a context-parallel rank's own otherwise (context.py)."""
     lay = meta.aligned()
-    B, G, _, M, _ = q_BGYMD.shape
+    B, H, P, D = q_BHYD.shape
+    G = lists_BGAT.shape[1]
     A, Bs, T = lay.aligned_blocks, cfg.block_size, lists_BGAT.shape[-1]
-    k_BGXbD, v_BGXbD = _kv_blocks(k_BKLD, G, Bs), _kv_blocks(v_BKLD, G, Bs)
     doc_BXb = torch.cat([lay.doc_BL, meta.null.expand(B, Bs)], 1).view(B, A + 1, Bs)
     skey_BXb = torch.cat([lay.skey_BL, lay.skey_BL.new_full((B, Bs), -(2**50))], 1).view(B, A + 1, Bs)
+    if cfg.gather_kernel == "sdpa" and q_BHYD.device.type == "cpu":  # tiles.py: no mask where none is needed
+        plans = plan_chunks(meta, cfg, sel, lists_BGAT, t0, P // Bs, doc_BXb, skey_BXb, D)
+        return tile_attention(q_BHYD, k_BKLD, v_BKLD, plans, G, Bs, 1 / math.sqrt(D))
 
     def lists(c0: int, C: int):
         idx_BGCT = lists_BGAT[:, :, c0:c0 + C]
         return idx_BGCT, tile_keep(meta, cfg, idx_BGCT, c0, sel.picks_BGLk)
 
-    C = _chunk_size(cfg.gather_chunk, B, G * M // Bs, Bs, T)
+    q_BGYMD = _tiles(q_BHYD * (1 / math.sqrt(D)), G, P // Bs, Bs)
+    k_BGXbD, v_BGXbD = _kv_blocks(k_BKLD, G, Bs), _kv_blocks(v_BKLD, G, Bs)
+    C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
     ckpt = _wants_ckpt(cfg, q_BGYMD, T, Bs, *qkv)
-    return _run(q_BGYMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, C, ckpt, lists, cfg.gather_kernel == "sdpa", t0)
+    out = _run(q_BGYMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, C, ckpt, lists, cfg.gather_kernel == "sdpa", t0)
+    return _untile(out, H, Bs)
 
 
 def attend_gather_full(q_BHsD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,

@@ -57,14 +57,17 @@ def test_gather_matches_dense(seed, sparse, select_per, H, K):
 @pytest.mark.parametrize("sparse", [True, False])
 def test_gather_checkpoint_threshold_trades_saved_bytes_not_results(seed, sparse):
     """Above `gather_checkpoint_mib` a gather layer saves only its inputs (the chunks recompute);
-    below it the gathered tiles are kept. Same output and gradients either way."""
+    below it the gathered tiles are kept. Same output and gradients either way. (The sparse
+    layers' CPU tile kernel saves no tiles at all: the eager kernel shows the threshold there.)"""
     Bs, S = 8, random.randint(150, 300)
     meta = build_meta(*random_batch(2, S, Bs), Bs)
     q, k, v = random_qkv(2, 4, 2, S, 16)
     w = torch.randn(2, 4, S, 16)
     saved, results = {}, {}
+    kernel = "eager" if sparse else "sdpa"
     for mib in (0.0, 1024.0):
-        cfg = AttentionConfig(backend="gather", block_size=Bs, window=16, top_k=2, gather_checkpoint_mib=mib)
+        cfg = AttentionConfig(backend="gather", block_size=Bs, window=16, top_k=2, gather_checkpoint_mib=mib,
+                              gather_kernel=kernel)
         nbytes = []
 
         def pack(t, nbytes=nbytes):

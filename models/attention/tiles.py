@@ -1,0 +1,243 @@
+"""The sparse layers' tile kernel on CPU: visible blocks without a mask, no gather where they slide.
+
+A tile's listed blocks are of two kinds. *Visible* blocks -- earlier blocks of the tile's
+document that the block rule keeps for every token of the tile -- need no mask; the rest (the
+own block, a visual span's blocks, per-token picks, null padding) do. Per chunk of tiles, the
+last `Fc` visible blocks of each tile (Fc: the chunk's fewest) run in unmasked fused calls and
+the rest in one masked call (causal without a mask when it is just the own text block), merged
+by their log-sum-exps: no masked-out key of a visible block is computed. Blocks that slide with
+the tile (the window: tile c reads blocks first + c ..) are read as an overlapping strided view
+of the K/V table, not gathered. The backward gives each call's fused backward the merged output
+and log-sum-exp (so each call's probabilities are the whole softmax's), re-reads K/V instead of
+saving copies, and adds every gradient into one K/V buffer: no forward is replayed.
+
+Legend: B batch, G selection heads, K kv heads, Y query tiles, A aligned blocks, Bs block size,
+M = R * Bs rows of a tile (R query heads per selection head), D head dim, C tiles in a chunk,
+T blocks a call reads per tile, J = T * Bs, n one (row, selection head) of B * G.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .blocks import tile_keep, tile_mask, window_blocks
+from .config import AttentionConfig
+from .meta import AttnMeta
+from .select import Selection
+
+Tensor = torch.Tensor
+_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_CHUNK_BYTES = 32 << 20  # K (or V) one call reads for a chunk
+
+
+@dataclass
+class Part:
+    """Blocks one fused call reads for every tile of a chunk."""
+
+    rows_nCT: Tensor  # int64 blocks of the (row, kv head)'s table per tile (null padding: 0, masked)
+    first_n: list[int] | None = None  # sliding: tile c reads blocks first + c .. first + c + T - 1
+    mask_nCbJ: Tensor | None = None  # bool, the rule over the blocks (None: all visible)
+    any_nCb: Tensor | None = None  # bool: the token attends some key of the call
+    causal: bool = False  # the own text block only: is_causal, no mask
+
+
+@dataclass
+class ChunkPlan:
+    y0: int  # tiles y0 .. y0 + C of the Y
+    C: int
+    parts: list[Part]
+
+
+def _sliding(rows_nCT: Tensor) -> list[int] | None:
+    """Starts per n if tile c reads first + c + t (a strided view), else None (host sync)."""
+    n, C, T = rows_nCT.shape
+    if not rows_nCT.numel():
+        return None
+    dev = rows_nCT.device
+    d_nCT = rows_nCT - torch.arange(C, device=dev)[:, None] - torch.arange(T, device=dev)
+    return d_nCT[:, 0, 0].tolist() if bool((d_nCT == d_nCT[:, :1, :1]).all()) else None
+
+
+def _visible_parts(vis_nCF: Tensor, W: int) -> list[Part]:
+    """Unmasked calls over the visible blocks: the window as a view when it slides, the rest gathered."""
+    if not vis_nCF.shape[-1]:
+        return []
+    first = _sliding(vis_nCF)
+    if first is not None:
+        return [Part(vis_nCF, first)]
+    F = vis_nCF.shape[-1]
+    first = _sliding(vis_nCF[..., F - W:]) if 0 < W < F else None
+    if first is None:
+        return [Part(vis_nCF)]
+    return [Part(vis_nCF[..., :F - W].contiguous()), Part(vis_nCF[..., F - W:], first)]
+
+
+def _split(idx_BGCT: Tensor, visible_BGCT: Tensor, null: int) -> tuple[Tensor, Tensor]:
+    """-> (B, G, C, Fc) the last Fc visible blocks of each tile (Fc the chunk's fewest), (B, G, C, P)
+    the other listed blocks, sorted, null-padded (host sync for the sizes)."""
+    X = null + 1
+    sorted_BGCT = (idx_BGCT + X * (~visible_BGCT).long()).sort(-1).values % X  # visible first
+    F_BGC = visible_BGCT.sum(-1)
+    Fc = int(F_BGC.amin()) if idx_BGCT.numel() else 0
+    pos_BGCF = (F_BGC - Fc)[..., None] + torch.arange(Fc, device=idx_BGCT.device)
+    t_T = torch.arange(idx_BGCT.shape[-1], device=idx_BGCT.device)
+    tail_BGCT = (t_T >= (F_BGC - Fc)[..., None]) & (t_T < F_BGC[..., None])
+    rest_BGCT = sorted_BGCT.masked_fill(tail_BGCT, null).sort(-1).values
+    P = int((rest_BGCT < null).sum(-1).amax()) if rest_BGCT.numel() else 0
+    return sorted_BGCT.gather(-1, pos_BGCF), rest_BGCT[..., :P]
+
+
+@torch.no_grad()
+def plan_chunks(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, lists_BGAT: Tensor, t0: int, Y: int,
+                doc_BXb: Tensor, skey_BXb: Tensor, D: int) -> list[ChunkPlan]:
+    """The chunks of the tiles t0 .. t0 + Y: per chunk the visible calls and the masked call."""
+    lay = meta.aligned()
+    B, G, A, T = lists_BGAT.shape
+    Bs = cfg.block_size
+    C = max(1, min(cfg.gather_chunk, _CHUNK_BYTES // (T * Bs * D * 4)))
+    pos_Xb = torch.arange((A + 1) * Bs, device=doc_BXb.device).view(A + 1, Bs)
+    plans = []
+    for c0 in range(t0, t0 + Y, C):
+        n = min(C, t0 + Y - c0)
+        idx_BGCT = lists_BGAT[:, :, c0:c0 + n]
+        keep_BGCbT = tile_keep(meta, cfg, idx_BGCT, c0, sel.picks_BGLk)
+        tile_11C1 = torch.arange(c0, c0 + n, device=idx_BGCT.device).view(1, 1, n, 1)
+        real_BCb = torch.arange(Bs, device=idx_BGCT.device) < lay.count_BA[:, c0:c0 + n, None]
+        real_B1Cb1 = real_BCb[:, None, ..., None]
+        visible_BGCT = (idx_BGCT < tile_11C1) & (idx_BGCT >= lay.first_BA[:, None, c0:c0 + n, None]) & (
+            keep_BGCbT | ~real_B1Cb1).all(-2)
+        vis_BGCF, rest_BGCP = _split(idx_BGCT, visible_BGCT, A)
+        parts = _visible_parts(vis_BGCF.flatten(0, 1), window_blocks(cfg))
+        if rest_BGCP.shape[-1]:
+            mask_BGCbJ = tile_mask(rest_BGCP, doc_BXb, skey_BXb, pos_Xb, c0,
+                                   tile_keep(meta, cfg, rest_BGCP, c0, sel.picks_BGLk))
+            own = rest_BGCP.shape[-1] == 1 and bool((rest_BGCP[..., 0] == tile_11C1[..., 0]).all())
+            causal = own and not bool(lay.vis_BA[:, c0:c0 + n].any())  # own text blocks: causal inside
+            parts.append(Part(rest_BGCP.masked_fill(rest_BGCP == A, 0).flatten(0, 1), None,
+                              mask_BGCbJ.flatten(0, 1), mask_BGCbJ.any(-1).flatten(0, 1), causal))
+        plans.append(ChunkPlan(c0 - t0, n, parts))
+    return plans
+
+
+def _tiles(x_BHLD: Tensor, b: int, h: int, y0: int, shape: tuple[int, ...]) -> Tensor:
+    """A strided view (C, R, Bs, D) of heads h .. h + R, tiles y0 .. y0 + C of row b (no copy)."""
+    C, R, Bs, D = shape
+    sB, sH, sS, sD = x_BHLD.stride()
+    offset = x_BHLD.storage_offset() + b * sB + h * sH + y0 * Bs * sS
+    return x_BHLD.as_strided(shape, (Bs * sS, sH, sS, sD), offset)
+
+
+def _read(x_BKLD: Tensor, b: int, h: int, part: Part, i: int, Bs: int) -> Tensor:
+    """(C, 1, T * Bs, D): what the call reads of kv head h of row b for each tile."""
+    C, T = part.rows_nCT.shape[1:]
+    L, D = x_BKLD.shape[2:]
+    sB, sH, sS, sD = x_BKLD.stride()
+    base = x_BKLD.storage_offset() + b * sB + h * sH
+    if part.first_n is not None:  # overlapping windows of one strided view
+        return x_BKLD.as_strided((C, 1, T * Bs, D), (Bs * sS, 0, sS, sD), base + part.first_n[i] * Bs * sS)
+    table_AbD = x_BKLD.as_strided((L // Bs, Bs, D), (Bs * sS, sS, sD), base)
+    return table_AbD.index_select(0, part.rows_nCT[i].reshape(-1)).view(C, 1, T * Bs, D)
+
+
+def _bias(part: Part, i: int, dtype: torch.dtype) -> Tensor | None:
+    if part.mask_nCbJ is None or part.causal:
+        return None
+    mask_CbJ = part.mask_nCbJ[i]
+    return torch.zeros(mask_CbJ.shape, dtype=dtype).masked_fill_(~mask_CbJ, -math.inf)[:, None]
+
+
+def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Outputs (C, R, Bs, D) and log-sum-exps (C, R, Bs) over disjoint keys -> the softmax over their
+    union. A row with no key at all gets output 0 and lse +inf (its backward terms vanish)."""
+    if len(parts) == 1:
+        out, lse = parts[0]
+        return out, torch.where(torch.isneginf(lse), math.inf, lse)
+    lse_PCRb = torch.stack([lse for _, lse in parts])
+    m_CRb = lse_PCRb.amax(0)
+    m_CRb = torch.where(torch.isneginf(m_CRb), 0.0, m_CRb)
+    w_PCRb = torch.exp(lse_PCRb - m_CRb)
+    z_CRb = w_PCRb.sum(0)
+    w_PCRb = w_PCRb / z_CRb.clamp_min(1e-30)
+    out = parts[0][0] * w_PCRb[0, ..., None].to(parts[0][0].dtype)
+    for (o, _), w in zip(parts[1:], w_PCRb[1:]):
+        out.addcmul_(o, w[..., None].to(o.dtype))
+    return out, torch.where(z_CRb > 0, m_CRb + torch.log(z_CRb), math.inf)
+
+
+def _chunk_forward(q_CRbD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, b: int, h: int, plan: ChunkPlan, i: int,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    outs = []
+    Bs = q_CRbD.shape[2]
+    for part in plan.parts:
+        out, lse = _FWD(q_CRbD, _read(k_BKLD, b, h, part, i, Bs), _read(v_BKLD, b, h, part, i, Bs), 0.0,
+                        part.causal, attn_mask=_bias(part, i, q_CRbD.dtype), scale=scale)
+        if part.any_nCb is not None:
+            lse = lse.masked_fill(~part.any_nCb[i][:, None], -math.inf)  # nothing kept: weight 0
+        outs.append((out, lse))
+    if not outs:
+        return torch.zeros_like(q_CRbD), q_CRbD.new_full(q_CRbD.shape[:3], math.inf, dtype=torch.float32)
+    return _merge(outs)
+
+
+def _walk(plans: list[ChunkPlan], B: int, G: int, H: int, K: int, Bs: int, D: int):
+    """(plan, n, row, first query head, kv head, tile shape) of every call group, in order."""
+    R = H // G
+    for plan in plans:
+        for i in range(B * G):
+            b, g = divmod(i, G)
+            yield plan, i, b, g * R, g * R // (H // K), (plan.C, R, Bs, D)
+
+
+class TileAttention(torch.autograd.Function):
+    """(q (B, H, Y * Bs, D), k / v (B, K, L, D) in aligned slots, plans, G, Bs, scale) -> like q."""
+
+    @staticmethod
+    def forward(ctx, q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, plans: list[ChunkPlan], G: int, Bs: int,
+                scale: float):
+        B, H, P, D = q_BHYD.shape
+        out_BHYD = q_BHYD.new_empty(q_BHYD.shape)
+        lse_BHY1 = q_BHYD.new_empty((B, H, P, 1), dtype=torch.float32)
+        for plan, i, b, h0, h, shape in _walk(plans, B, G, H, k_BKLD.shape[1], Bs, D):
+            q_CRbD = _tiles(q_BHYD, b, h0, plan.y0, shape)
+            out, lse = _chunk_forward(q_CRbD, k_BKLD, v_BKLD, b, h, plan, i, scale)
+            _tiles(out_BHYD, b, h0, plan.y0, shape).copy_(out)
+            _tiles(lse_BHY1, b, h0, plan.y0, (*shape[:3], 1)).copy_(lse[..., None])
+        ctx.save_for_backward(q_BHYD, k_BKLD, v_BKLD, out_BHYD, lse_BHY1)
+        ctx.plans, ctx.G, ctx.Bs, ctx.scale = plans, G, Bs, scale
+        return out_BHYD
+
+    @staticmethod
+    def backward(ctx, grad_BHYD: Tensor):
+        q_BHYD, k_BKLD, v_BKLD, out_BHYD, lse_BHY1 = ctx.saved_tensors
+        grad_BHYD = grad_BHYD if grad_BHYD.stride(-1) == 1 else grad_BHYD.contiguous()
+        B, H, P, D = q_BHYD.shape
+        K, L, Bs = k_BKLD.shape[1], k_BKLD.shape[2], ctx.Bs
+        dq_BHYD = torch.empty_like(q_BHYD, memory_format=torch.contiguous_format)  # every tile: one chunk
+        dk_BKAbD = k_BKLD.new_zeros(B, K, L // Bs, Bs, D)
+        dv_BKAbD = torch.zeros_like(dk_BKAbD)
+        for plan, i, b, h0, h, shape in _walk(ctx.plans, B, ctx.G, H, K, Bs, D):
+            q, dout, out = (_tiles(t, b, h0, plan.y0, shape) for t in (q_BHYD, grad_BHYD, out_BHYD))
+            lse = _tiles(lse_BHY1, b, h0, plan.y0, (*shape[:3], 1))[..., 0]
+            dq = None
+            for part in plan.parts:
+                k, v = _read(k_BKLD, b, h, part, i, Bs), _read(v_BKLD, b, h, part, i, Bs)
+                mask = _bias(part, i, q.dtype)
+                gq, gk, gv = _BWD(dout, q, k, v, out, lse, 0.0, part.causal, attn_mask=mask, scale=ctx.scale)
+                dq = gq if dq is None else dq.add_(gq)
+                rows = part.rows_nCT[i].reshape(-1)
+                dk_BKAbD[b, h].index_add_(0, rows, gk.view(-1, Bs, D))
+                dv_BKAbD[b, h].index_add_(0, rows, gv.view(-1, Bs, D))
+            _tiles(dq_BHYD, b, h0, plan.y0, shape).copy_(0 if dq is None else dq)
+        return dq_BHYD, dk_BKAbD.view(B, K, L, D), dv_BKAbD.view(B, K, L, D), None, None, None, None
+
+
+def tile_attention(q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, plans: list[ChunkPlan], G: int,
+                   block_size: int, scale: float) -> Tensor:
+    """The chunks' attention: queries of Y tiles (B, H, Y * Bs, D), keys and values in aligned slots
+    (B, K, L, D), any strides with a unit last one; -> (B, H, Y * Bs, D)."""
+    q_BHYD, k_BKLD, v_BKLD = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_BHYD, k_BKLD, v_BKLD))
+    return TileAttention.apply(q_BHYD, k_BKLD, v_BKLD, plans, G, block_size, scale)
