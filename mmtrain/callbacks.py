@@ -1,6 +1,6 @@
 """Callbacks: what the trainer does besides stepping, behind one small interface.
 
-The loop (mmtrain/trainer.py) steps, evaluates and checkpoints; everything else -- collapse
+The loop (mmtrain/loop/trainer.py) steps, evaluates and checkpoints; everything else -- collapse
 diagnostics, throughput/MFU logging, curriculum stages, the captioning eval, fault injection, and
 whatever a user adds -- is a `Callback` the loop calls at fixed points (OLMo-core's pattern):
 
@@ -36,7 +36,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 if TYPE_CHECKING:
-    from mmtrain.trainer import Trainer
+    from mmtrain.loop.trainer import Trainer
 
 
 @dataclass(kw_only=True)

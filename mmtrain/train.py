@@ -23,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # heavy imports only once the config is known to parse
+    from mmtrain.loop.trainer import Trainer
     from mmtrain.parallel.distributed import init_distributed, shutdown
-    from mmtrain.trainer import Trainer
 
     overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
     cfg = load_config(RunConfig, args.config, overrides)

@@ -37,8 +37,8 @@ from mmtrain.models.inference import SamplingConfig
 
 if TYPE_CHECKING:
     from mmtrain.inference.loading import Loaded
+    from mmtrain.loop.trainer import Trainer
     from mmtrain.parallel.distributed import DistEnv
-    from mmtrain.trainer import Trainer
 
 # key.json field -> reported name
 ATTRIBUTES = {"color": "colour", "shape": "shape", "size": "size", "position": "place", "motion": "motion"}

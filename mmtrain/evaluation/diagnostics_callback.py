@@ -20,7 +20,7 @@ from mmtrain.evaluation.pointing import grounding_docs
 from mmtrain.parallel.distributed import all_reduce
 
 if TYPE_CHECKING:
-    from mmtrain.trainer import Trainer
+    from mmtrain.loop.trainer import Trainer
 
 DIAG_FILE = "diagnostics.jsonl"  # one JSON line per diagnostics run (rank 0)
 

@@ -20,8 +20,8 @@ from mmtrain.callbacks import Callback, StepStats
 from mmtrain.data_pipelines.config import DataConfig
 
 if TYPE_CHECKING:
+    from mmtrain.loop.trainer import Trainer
     from mmtrain.run_config import StageConfig
-    from mmtrain.trainer import Trainer
 
 
 def stage_at(until_steps: list[int], step: int) -> int:

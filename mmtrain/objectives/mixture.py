@@ -35,7 +35,7 @@ from mmtrain.objectives.balance.signals import SIGNALS
 
 if TYPE_CHECKING:
     from mmtrain.evaluation.diagnostics import DiagResult
-    from mmtrain.trainer import Trainer
+    from mmtrain.loop.trainer import Trainer
 
 SIGNAL_OF = {"mismatch": "mismatch_gap", "blank": "reliance_gap"}  # controller.signal -> the signal read
 

@@ -109,9 +109,9 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
     """Train `steps` steps on the same global batches (read in one process, split by rows)."""
     from mmtrain.config import load_config
     from mmtrain.data_pipelines.loader import build_loader
+    from mmtrain.loop.trainer import Trainer
     from mmtrain.parallel.distributed import exit_now, init_distributed, shutdown
     from mmtrain.run_config import RunConfig
-    from mmtrain.trainer import Trainer
 
     cfg = load_config(RunConfig, config)
     env = init_distributed(cfg.dist, "cpu")
@@ -145,9 +145,9 @@ def state_worker(config: str, out: str) -> None:
     )
 
     from mmtrain.config import load_config
+    from mmtrain.loop.trainer import Trainer
     from mmtrain.parallel.distributed import exit_now, init_distributed, shutdown
     from mmtrain.run_config import RunConfig
-    from mmtrain.trainer import Trainer
 
     cfg = load_config(RunConfig, config)
     env = init_distributed(cfg.dist, "cpu")

@@ -12,10 +12,10 @@ import torch
 from dist_runs import checkpoint_names, losses, step_records, train, write_config
 
 from mmtrain.callbacks import Callback
+from mmtrain.loop.trainer import Trainer
 from mmtrain.parallel.distributed import DistEnv
 from mmtrain.state.checkpoint import Checkpointer, load_model_state, load_rank_state, load_state
 from mmtrain.state.manifest import verify
-from mmtrain.trainer import Trainer
 
 
 # ----- the checkpointer alone ------------------------------------------------------------------

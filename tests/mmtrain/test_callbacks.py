@@ -12,9 +12,9 @@ import torch
 
 from mmtrain.callbacks import Callback, Callbacks
 from mmtrain.errors import UserError
+from mmtrain.loop.trainer import Trainer
 from mmtrain.objectives.curriculum import Curriculum
 from mmtrain.state.checkpoint import STATE_FILE, load_state
-from mmtrain.trainer import Trainer
 
 STAGED = ["train.stages=[{until_step: 3, sources: [text]}]", "diagnostics.every=4", "diagnostics.batches=1",
           "loss.balancer.kind=uncertainty", "train.eval_batches=1"]
@@ -179,7 +179,7 @@ class LogAdder(Callback):
 
 def test_on_log_runs_on_log_steps_after_the_step_and_its_scalars_are_written(make_config, tmp_path,
                                                                              monkeypatch):
-    from mmtrain.logger import RunLogger
+    from mmtrain.loop.logger import RunLogger
 
     written: dict[int, dict[str, float]] = {}
     orig = RunLogger.scalars

@@ -12,10 +12,10 @@ import torch
 from mmtrain.cli import main
 from mmtrain.config import from_dict
 from mmtrain.errors import UserError
+from mmtrain.loop.trainer import Trainer
 from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.run_config import RunConfig
 from mmtrain.state.checkpoint import Checkpointer, load_for_inference, load_state
-from mmtrain.trainer import Trainer
 
 
 def save(ckpt: Checkpointer, step: int, value: float = 0.0, before_commit=None):

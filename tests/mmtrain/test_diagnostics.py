@@ -19,8 +19,8 @@ from mmtrain.attention_maps.maps import batch_attention_stats
 from mmtrain.data_pipelines.batch import IMAGE, TASK_NAMES, TEXT
 from mmtrain.evaluation.diagnostics import effective_rank, run_diagnostics
 from mmtrain.evaluation.diagnostics_report import DiagConfig, DiagResult
+from mmtrain.loop.trainer import Trainer
 from mmtrain.objectives.terms import dummy_batch
-from mmtrain.trainer import Trainer
 
 
 def _trainer(make_config, run_dir, *overrides) -> Trainer:

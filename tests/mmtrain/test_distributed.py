@@ -197,8 +197,8 @@ def test_kill_and_resume_two_ranks_is_exact(two_rank_reference, tmp_path):
 
 # ----- resharding --------------------------------------------------------------------------------
 def test_saved_at_two_ranks_loads_in_one_process_and_continues(two_rank_reference, make_config, tmp_path):
+    from mmtrain.loop.trainer import Trainer
     from mmtrain.state.checkpoint import load_for_inference
-    from mmtrain.trainer import Trainer
 
     ref, _ = two_rank_reference
     run = tmp_path / "run"

@@ -33,10 +33,10 @@ from mmtrain.inference.prompts import (
     read_sample,
     sample_prompt,
 )
+from mmtrain.loop.trainer import Trainer
 from mmtrain.models.inference import SamplingConfig, prefill
 from mmtrain.run_config import RunConfig
 from mmtrain.state.export import export
-from mmtrain.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

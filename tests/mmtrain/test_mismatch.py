@@ -20,8 +20,8 @@ import torch
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, IMAGE, MEDIA_TASKS, TASK_NAMES, VIDEO, PackedBatch
 from mmtrain.evaluation.diagnostics import DiagConfig, DiagResult, run_diagnostics
 from mmtrain.evaluation.evaluate import mismatch_media
+from mmtrain.loop.trainer import Trainer
 from mmtrain.objectives.terms import task_losses
-from mmtrain.trainer import Trainer
 
 PATCH_DIM = 5
 

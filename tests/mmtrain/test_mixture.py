@@ -12,8 +12,8 @@ import pytest
 from mmtrain.callbacks import Callback
 from mmtrain.data_pipelines.config import MixControllerConfig, SourceConfig
 from mmtrain.errors import ConfigError
+from mmtrain.loop.trainer import Trainer
 from mmtrain.objectives.mixture import MixController, clip_shares
-from mmtrain.trainer import Trainer
 
 TASKS = {"image": "image_text", "video": "video_text", "interleaved": "image_text"}
 SOURCES = [SourceConfig("image", [], 0.07), SourceConfig("video", [], 0.04),

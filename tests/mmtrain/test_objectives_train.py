@@ -9,8 +9,8 @@ import torch
 
 from mmtrain.config import ConfigError
 from mmtrain.evaluation.diagnostics_callback import DIAG_FILE
+from mmtrain.loop.trainer import Trainer
 from mmtrain.objectives.curriculum import Curriculum
-from mmtrain.trainer import Trainer
 
 
 def _metrics(run) -> dict[int, dict]:

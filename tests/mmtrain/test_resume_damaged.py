@@ -13,8 +13,8 @@ import torch
 
 from mmtrain.cli import main
 from mmtrain.errors import UserError
+from mmtrain.loop.trainer import Trainer
 from mmtrain.state.checkpoint import Checkpointer, load_state
-from mmtrain.trainer import Trainer
 
 OVERRIDES = ["train.steps=6", "train.ckpt_every=2", "train.keep_last=3", "train.eval_batches=1"]
 

@@ -15,6 +15,7 @@ import torch
 
 from mmtrain.config import apply_override, from_dict
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_IMAGE_TEXT, TASK_TEXT, TASK_VIDEO_TEXT
+from mmtrain.loop.trainer import Trainer
 from mmtrain.objectives.objective import StepSums
 from mmtrain.objectives.terms import (
     blank_media,
@@ -26,7 +27,6 @@ from mmtrain.objectives.terms import (
 )
 from mmtrain.objectives.token_weighting import TokenWeightingSums
 from mmtrain.run_config import RunConfig
-from mmtrain.trainer import Trainer
 
 
 # ----- the weights --------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mmtrain.loop.trainer import Trainer
 from mmtrain.state.checkpoint import Checkpointer, load_state
-from mmtrain.trainer import Trainer
 
 
 def test_short_run_loss_falls(make_config, tmp_path):

@@ -19,9 +19,9 @@ import tempfile
 import time
 
 from mmtrain.config import load_config
+from mmtrain.loop.trainer import Trainer
 from mmtrain.parallel.distributed import init_distributed
 from mmtrain.run_config import RunConfig
-from mmtrain.trainer import Trainer
 from tools.bench.table import print_ratio_table
 
 SIDES = {"no checkpoint": None, "sync save": False, "async save": True}

@@ -21,8 +21,8 @@ import torch
 
 from mmtrain.config import load_config
 from mmtrain.evaluation.diagnostics import run_diagnostics
+from mmtrain.loop.trainer import Trainer
 from mmtrain.run_config import RunConfig
-from mmtrain.trainer import Trainer
 
 VARIANTS = {
     "static": [],

@@ -20,7 +20,7 @@ from mmtrain.callbacks import Callback, StepStats
 from mmtrain.parallel.distributed import all_reduce
 
 if TYPE_CHECKING:
-    from mmtrain.trainer import Trainer
+    from mmtrain.loop.trainer import Trainer
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), SXM parts; matched on the device name.
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}

@@ -44,8 +44,9 @@ from mmtrain.evaluation.captioning import CaptionEval
 from mmtrain.evaluation.diagnostics_callback import Diagnostics
 from mmtrain.evaluation.dist_eval import evaluate_ranks
 from mmtrain.evaluation.evaluate import EvalResult
-from mmtrain.faults import FaultInjection, faults_configured
-from mmtrain.logger import RunLogger
+from mmtrain.loop.faults import FaultInjection, faults_configured
+from mmtrain.loop.logger import RunLogger
+from mmtrain.loop.perf import Throughput, peak_tflops
 from mmtrain.objectives.balance import build_balancer
 from mmtrain.objectives.curriculum import Curriculum, stage_data
 from mmtrain.objectives.mixture import MixController
@@ -56,7 +57,6 @@ from mmtrain.parallel.context_parallel import context_shard
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv, all_reduce, current_env, pick_device
 from mmtrain.parallel.parallelize import build_model, clip_grad_norm, grad_sync, scale_expert_grads
-from mmtrain.perf import Throughput, peak_tflops
 from mmtrain.run_config import RunConfig
 from mmtrain.state import train_state
 from mmtrain.state.checkpoint import TOKENIZER_FILE, Checkpointer, tokenizer_file

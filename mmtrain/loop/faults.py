@@ -18,8 +18,8 @@ from mmtrain.callbacks import Callback, StepStats
 from mmtrain.parallel.distributed import restart_count
 
 if TYPE_CHECKING:
+    from mmtrain.loop.trainer import Trainer
     from mmtrain.run_config import FaultConfig
-    from mmtrain.trainer import Trainer
 
 
 def faults_configured(cfg: FaultConfig) -> bool:
