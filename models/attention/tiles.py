@@ -179,7 +179,8 @@ def _chunk_forward(q_CRbD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, b: int, h: in
             lse = lse.masked_fill(~part.any_nCb[i][:, None], -math.inf)  # nothing kept: weight 0
         outs.append((out, lse))
     if not outs:
-        return torch.zeros_like(q_CRbD), q_CRbD.new_full(q_CRbD.shape[:3], math.inf, dtype=torch.float32)
+        lse_dtype = torch.promote_types(q_CRbD.dtype, torch.float32)
+        return torch.zeros_like(q_CRbD), q_CRbD.new_full(q_CRbD.shape[:3], math.inf, dtype=lse_dtype)
     return _merge(outs)
 
 
@@ -200,7 +201,7 @@ class TileAttention(torch.autograd.Function):
                 scale: float):
         B, H, P, D = q_BHYD.shape
         out_BHYD = q_BHYD.new_empty(q_BHYD.shape)
-        lse_BHY1 = q_BHYD.new_empty((B, H, P, 1), dtype=torch.float32)
+        lse_BHY1 = q_BHYD.new_empty((B, H, P, 1), dtype=torch.promote_types(q_BHYD.dtype, torch.float32))
         for plan, i, b, h0, h, shape in _walk(plans, B, G, H, k_BKLD.shape[1], Bs, D):
             q_CRbD = _tiles(q_BHYD, b, h0, plan.y0, shape)
             out, lse = _chunk_forward(q_CRbD, k_BKLD, v_BKLD, b, h, plan, i, scale)
