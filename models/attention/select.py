@@ -45,8 +45,22 @@ class Selection:
         return self.picks_BGLk.gather(2, idx_BGSk)
 
 
+def _identity(meta: AttnMeta) -> bool:
+    """The aligned layout is the row itself (documents start on blocks, rows are whole blocks), so
+    to / from_aligned need no copy. A host value, cached per forward (not under compile)."""
+    if torch.compiler.is_compiling():
+        return False
+    if "aligned_identity" not in meta.cache:
+        src_BL = meta.aligned().src_BL
+        slots_L = torch.arange(src_BL.shape[1], device=src_BL.device)
+        meta.cache["aligned_identity"] = src_BL.shape[1] == meta.seq_len and bool((src_BL == slots_L).all())
+    return meta.cache["aligned_identity"]
+
+
 def to_aligned(x_BHSD: Tensor, meta: AttnMeta) -> Tensor:
     """(B, H, S, D) -> (B, H, L, D) in the aligned layout, zeros in empty slots."""
+    if _identity(meta):
+        return x_BHSD
     lay = meta.aligned()
     B, H, S, D = x_BHSD.shape
     src_BL = lay.src_BL
@@ -58,6 +72,8 @@ def to_aligned(x_BHSD: Tensor, meta: AttnMeta) -> Tensor:
 
 def from_aligned(x_BHLD: Tensor, meta: AttnMeta) -> Tensor:
     """(B, H, L, D) -> (B, H, S, D): every token's slot."""
+    if _identity(meta):
+        return x_BHLD
     lay = meta.aligned()
     B, H, L, D = x_BHLD.shape
     flat_BS = lay.slot_BS + L * torch.arange(B, device=lay.slot_BS.device)[:, None]
