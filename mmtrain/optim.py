@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from mmtrain.run_config import OptimConfig
+from mmtrain.checks import check
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 50  # linear warmup, then cosine to min_lr_ratio * lr
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+    def __post_init__(self):
+        check(self, "lr", gt=0)
+        check(self, "weight_decay", "warmup_steps", "grad_clip", ge=0)
+        check(self, "betas", ge=0, lt=1)
+        check(self, "min_lr_ratio", ge=0, le=1)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:

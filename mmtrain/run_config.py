@@ -1,4 +1,9 @@
-"""The run config: one YAML file = one run. Components own their dataclasses; this composes them."""
+"""The run config: one YAML file = one run. Components own their dataclasses (next to their code:
+data_pipelines/config.py, the model's in models/, OptimConfig in mmtrain/optim.py, DistConfig in
+mmtrain/parallel/config.py, LossConfig in mmtrain/objectives/objective.py, ...); this composes them.
+
+What stays here is the loop's own section, `train` (TrainConfig and its FaultConfig): beside their
+code they would sit in mmtrain/loop/, the top of the trainer, which imports this module."""
 
 from __future__ import annotations
 
@@ -9,75 +14,15 @@ from typing import Literal
 from mmtrain.checks import check
 from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.evaluation.caption_config import CaptionEvalConfig
-from mmtrain.evaluation.diagnostics import DiagConfig
+from mmtrain.evaluation.diagnostics_report import DiagConfig
 from mmtrain.models.multimodal import ModelConfig
-from mmtrain.objectives.balance import BALANCERS, BalanceConfig
+from mmtrain.objectives.balance import BALANCERS
 from mmtrain.objectives.balance.signals import check_signals
+from mmtrain.objectives.curriculum import StageConfig
 from mmtrain.objectives.mixture import SIGNAL_OF
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_steps: int = 50  # linear warmup, then cosine to min_lr_ratio * lr
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-
-    def __post_init__(self):
-        check(self, "lr", gt=0)
-        check(self, "weight_decay", "warmup_steps", "grad_clip", ge=0)
-        check(self, "betas", ge=0, lt=1)
-        check(self, "min_lr_ratio", ge=0, le=1)
-
-
-@dataclass
-class VisualSSLConfig:
-    """Masked-patch reconstruction in the vision encoder (needs model.vision.ssl_head: true): a second
-    encoder pass over `media_share` of each batch's media with `mask_ratio` of their patches hidden."""
-
-    weight: float = 0.0  # 0: off
-    mask_ratio: float = 0.5
-    media_share: float = 0.25
-
-    def __post_init__(self):
-        check(self, "weight", ge=0)
-        check(self, "mask_ratio", gt=0, lt=1)
-        check(self, "media_share", gt=0, le=1)
-
-
-@dataclass
-class TokenWeightingConfig:
-    """Token reliance weighting (mmtrain/objectives/terms.py, reliance_weights): each trained token of a
-    media task is weighted by how much the pixels help predict it, from an extra forward without
-    grad with every medium blanked, on the rows that hold such tokens (about their share of a
-    forward's cost). Per task and micro-batch the weights average 1; text tokens keep weight 1."""
-
-    strength: float = 0.0  # 0: off (no extra forward); 1: weights proportional to the reliance
-    floor: float = 0.05  # nats added to max(blank CE - real CE, 0): unhelped tokens keep some weight
-
-    def __post_init__(self):
-        check(self, "strength", ge=0, le=1)
-        check(self, "floor", gt=0)
-
-
-@dataclass
-class LossConfig:
-    """Per-modality loss weights (the base weights every balancer starts from or multiplies), the
-    balancer that adapts them, and the extra terms."""
-
-    text: float = 1.0
-    image_text: float = 1.0
-    video_text: float = 1.0
-    z_loss: float = 1e-4  # weight of mean(logsumexp(logits)^2) over trained tokens
-    balancer: BalanceConfig = field(default_factory=BalanceConfig)
-    visual_ssl: VisualSSLConfig = field(default_factory=VisualSSLConfig)
-    token_weighting: TokenWeightingConfig = field(default_factory=TokenWeightingConfig)
-
-    def __post_init__(self):
-        check(self, "text", "image_text", "video_text", "z_loss", ge=0)
+from mmtrain.objectives.objective import LossConfig
+from mmtrain.optim import OptimConfig
+from mmtrain.parallel.config import DistConfig
 
 
 @dataclass
@@ -94,20 +39,6 @@ class FaultConfig:
 
     def __post_init__(self):
         check(self, "nan_at_step", "kill_at_step", "kill_in_save_at_step", "rank", ge=0)
-
-
-@dataclass
-class StageConfig:
-    """A curriculum stage: until optimizer step `until_step` only these data.train sources are mixed
-    (with their configured weights). After the last stage every data.train source is."""
-
-    until_step: int = 0
-    sources: list[str] = field(default_factory=list)
-
-    def __post_init__(self):
-        check(self, "until_step", ge=1)
-        if not self.sources:
-            raise ValueError("sources: must name at least one data.train source")
 
 
 @dataclass
@@ -137,32 +68,6 @@ class TrainConfig:
         check(self, "steps", "grad_accum", "log_every", "keep_last", "max_skipped_steps", ge=1)
         check(self, "threads", "eval_every", "eval_batches", "ckpt_every", "time_limit_min", "peak_tflops",
               ge=0)
-
-
-@dataclass
-class DistConfig:
-    """Parallelism, applied from outside the model (mmtrain/parallel/parallelize.py). Under torchrun with
-    WORLD_SIZE > 1 the ranks shard the model (fsdp) or replicate it (ddp); a single process uses
-    only `activation_checkpointing` and `compile`."""
-
-    strategy: Literal["fsdp", "ddp"] = "fsdp"  # fsdp: FSDP2 fully_shard per vision block / decoder layer
-    # The mesh (mmtrain/parallel/dims.py): dp_replicate x dp_shard x cp = the world size.
-    dp_replicate: int = 1  # HSDP: replicas of the sharded model (e.g. one per node); ddp: the world
-    dp_shard: int = -1  # ranks each replica shards over; -1: the rest of the world
-    cp: int = 1  # context parallelism: ranks that split every row between them
-    ep: int = 1  # expert parallelism: ranks that split each MoE layer's routed experts (from dp_shard x cp)
-    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on CPU
-    timeout_s: float = 600.0  # collective timeout: a dead or stuck rank ends the job instead of a hang
-    reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (ZeRO-3) or keep them
-    activation_checkpointing: bool = False  # recompute each vision block and decoder layer in backward
-    compile: bool = False  # torch.compile each vision block and decoder layer
-    meta_init: bool = True  # FSDP on CUDA: build on the meta device, shard, then initialise (no full copy)
-
-    def __post_init__(self):
-        check(self, "timeout_s", gt=0)
-        check(self, "dp_replicate", "cp", "ep", ge=1)
-        if self.dp_shard != -1 and self.dp_shard < 1:
-            raise ValueError(f"dp_shard: must be >= 1 or -1 (the rest of the world) (got {self.dp_shard})")
 
 
 @dataclass

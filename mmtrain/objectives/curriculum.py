@@ -13,15 +13,29 @@ exact on either side of a boundary.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mmtrain.callbacks import Callback, StepStats
+from mmtrain.checks import check
 from mmtrain.data_pipelines.config import DataConfig
 
 if TYPE_CHECKING:
     from mmtrain.loop.trainer import Trainer
-    from mmtrain.run_config import StageConfig
+
+
+@dataclass
+class StageConfig:
+    """A curriculum stage: until optimizer step `until_step` only these data.train sources are mixed
+    (with their configured weights). After the last stage every data.train source is."""
+
+    until_step: int = 0
+    sources: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        check(self, "until_step", ge=1)
+        if not self.sources:
+            raise ValueError("sources: must name at least one data.train source")
 
 
 def stage_at(until_steps: list[int], step: int) -> int:

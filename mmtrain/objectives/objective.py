@@ -22,20 +22,56 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mmtrain.callbacks import StepStats
+from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TEXT, PackedBatch
 from mmtrain.models.attention.counts import ATTN_COUNTS
 from mmtrain.models.vision import make_ssl_mask
-from mmtrain.objectives.balance import Balancer
+from mmtrain.objectives.balance import BalanceConfig, Balancer
 from mmtrain.objectives.sums import Sums
 from mmtrain.objectives.terms import TaskLosses, dummy_batch, head_grads, task_losses, weighted_total, z_loss
-from mmtrain.objectives.token_weighting import TokenWeighting, TokenWeightingSums
+from mmtrain.objectives.token_weighting import TokenWeighting, TokenWeightingConfig, TokenWeightingSums
 from mmtrain.parallel.context_parallel import local_targets
 from mmtrain.parallel.distributed import DistEnv, all_reduce
-from mmtrain.run_config import RunConfig
+
+if TYPE_CHECKING:
+    from mmtrain.run_config import RunConfig
+
+
+@dataclass
+class VisualSSLConfig:
+    """Masked-patch reconstruction in the vision encoder (needs model.vision.ssl_head: true): a second
+    encoder pass over `media_share` of each batch's media with `mask_ratio` of their patches hidden."""
+
+    weight: float = 0.0  # 0: off
+    mask_ratio: float = 0.5
+    media_share: float = 0.25
+
+    def __post_init__(self):
+        check(self, "weight", ge=0)
+        check(self, "mask_ratio", gt=0, lt=1)
+        check(self, "media_share", gt=0, le=1)
+
+
+@dataclass
+class LossConfig:
+    """Per-modality loss weights (the base weights every balancer starts from or multiplies), the
+    balancer that adapts them, and the extra terms."""
+
+    text: float = 1.0
+    image_text: float = 1.0
+    video_text: float = 1.0
+    z_loss: float = 1e-4  # weight of mean(logsumexp(logits)^2) over trained tokens
+    balancer: BalanceConfig = field(default_factory=BalanceConfig)
+    visual_ssl: VisualSSLConfig = field(default_factory=VisualSSLConfig)
+    token_weighting: TokenWeightingConfig = field(default_factory=TokenWeightingConfig)
+
+    def __post_init__(self):
+        check(self, "text", "image_text", "video_text", "z_loss", ge=0)
 
 
 def _per_task() -> dict[str, float]:

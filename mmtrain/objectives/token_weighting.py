@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import PackedBatch
 from mmtrain.frozen import frozen_state
 from mmtrain.objectives.sums import Sums
@@ -34,7 +35,21 @@ from mmtrain.objectives.terms import (
     take_rows,
     token_losses,
 )
-from mmtrain.run_config import TokenWeightingConfig
+
+
+@dataclass
+class TokenWeightingConfig:
+    """Token reliance weighting (mmtrain/objectives/terms.py, reliance_weights): each trained token of a
+    media task is weighted by how much the pixels help predict it, from an extra forward without
+    grad with every medium blanked, on the rows that hold such tokens (about their share of a
+    forward's cost). Per task and micro-batch the weights average 1; text tokens keep weight 1."""
+
+    strength: float = 0.0  # 0: off (no extra forward); 1: weights proportional to the reliance
+    floor: float = 0.05  # nats added to max(blank CE - real CE, 0): unhelped tokens keep some weight
+
+    def __post_init__(self):
+        check(self, "strength", ge=0, le=1)
+        check(self, "floor", gt=0)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 torch.distributed's own DeviceMesh and DTensor. The rest of the trainer asks this package which
 rank it is (`DistEnv`) and for a few collectives; the model files never see it.
 
+    config.py            DistConfig (section `dist`)
     distributed.py       the process group under torchrun, DistEnv, the collectives (no-ops alone)
     dims.py              the device mesh from `dist.*`: dense and expert meshes, cp groups, dp slots
     parallelize.py       applied from outside the model: activation checkpointing, compile, EP, FSDP2/DDP

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mmtrain.errors import UserError
-from mmtrain.run_config import DistConfig
+from mmtrain.parallel.config import DistConfig
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mmtrain.errors import UserError
-from mmtrain.run_config import DistConfig
+from mmtrain.parallel.config import DistConfig
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,7 +35,9 @@ from mmtrain.parallel.comm import Traffic
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv
 from mmtrain.parallel.expert_parallel import shard_experts
-from mmtrain.run_config import RunConfig
+
+if TYPE_CHECKING:
+    from mmtrain.run_config import RunConfig
 
 
 def block_lists(model: MultimodalModel) -> list[nn.ModuleList]:

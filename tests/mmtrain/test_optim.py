@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmtrain.optim import build_optimizer
-from mmtrain.run_config import OptimConfig
+from mmtrain.optim import OptimConfig, build_optimizer
 from tools.bench import bench_optim
 
 

@@ -1,0 +1,36 @@
+"""The distributed setup's config (section `dist`): the mesh, the wrappers and the process group.
+Its own module because distributed.py, dims.py and parallelize.py all read it and run_config.py
+composes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mmtrain.checks import check
+
+
+@dataclass
+class DistConfig:
+    """Parallelism, applied from outside the model (mmtrain/parallel/parallelize.py). Under torchrun with
+    WORLD_SIZE > 1 the ranks shard the model (fsdp) or replicate it (ddp); a single process uses
+    only `activation_checkpointing` and `compile`."""
+
+    strategy: Literal["fsdp", "ddp"] = "fsdp"  # fsdp: FSDP2 fully_shard per vision block / decoder layer
+    # The mesh (mmtrain/parallel/dims.py): dp_replicate x dp_shard x cp = the world size.
+    dp_replicate: int = 1  # HSDP: replicas of the sharded model (e.g. one per node); ddp: the world
+    dp_shard: int = -1  # ranks each replica shards over; -1: the rest of the world
+    cp: int = 1  # context parallelism: ranks that split every row between them
+    ep: int = 1  # expert parallelism: ranks that split each MoE layer's routed experts (from dp_shard x cp)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    timeout_s: float = 600.0  # collective timeout: a dead or stuck rank ends the job instead of a hang
+    reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (ZeRO-3) or keep them
+    activation_checkpointing: bool = False  # recompute each vision block and decoder layer in backward
+    compile: bool = False  # torch.compile each vision block and decoder layer
+    meta_init: bool = True  # FSDP on CUDA: build on the meta device, shard, then initialise (no full copy)
+
+    def __post_init__(self):
+        check(self, "timeout_s", gt=0)
+        check(self, "dp_replicate", "cp", "ep", ge=1)
+        if self.dp_shard != -1 and self.dp_shard < 1:
+            raise ValueError(f"dp_shard: must be >= 1 or -1 (the rest of the world) (got {self.dp_shard})")
