@@ -152,6 +152,35 @@ def test_no_import_cycles():
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
+def trainer_subpackages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between the trainer's subpackages (mmtrain/loop/, objectives/, ...): an edge where a
+    module of one imports a module of another. Top-level modules (the run config that composes
+    every subsystem's config, the callback interface, the CLI) are not in it."""
+    folder = ROOT / "mmtrain"
+    subs = {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
+
+    def package(mod: str) -> str | None:
+        parts = mod.split(".")
+        return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in subs) else None
+
+    mods = project_modules()
+    out: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        a = package(mod) if mods[mod].is_relative_to(folder) else None
+        if a is not None:
+            out.setdefault(a, set()).update(b for d in deps if mods[d].is_relative_to(folder)
+                                            and (b := package(d)) not in (None, a))
+    return out
+
+
+def test_the_trainers_subpackages_import_one_way():
+    """loop -> evaluation -> inference -> state -> objectives -> parallel (each may skip layers)."""
+    pkgs = trainer_subpackages(import_graph())
+    assert {"loop", "objectives", "evaluation", "state", "inference", "parallel"} <= set(pkgs)
+    found = cycles(pkgs)
+    assert not found, "subpackage cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
 def test_models_and_data_pipelines_import_only_themselves():
     bad = []
     for mod, deps in import_graph().items():
