@@ -32,7 +32,7 @@ from .meta import AttnMeta
 from .opaque import attend_sparse_opaque
 from .registry import ANY, BOTH, SPARSE, Backend, register_backend
 from .select import Selection, from_aligned, to_aligned
-from .tiles import plan_chunks, tile_attention
+from .tiles import plan_chunks, tile_attention, tiles_backward, tiles_forward, unit_stride
 
 Tensor = torch.Tensor
 _MAX_SCORE_ELEMS = 2**25  # cap on a chunk's score tensor (elements), whatever gather_chunk says
@@ -136,6 +136,45 @@ def attend_gather_sparse(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: A
     return from_aligned(out_BHLD, meta).to(q_BHSD.dtype)
 
 
+def _tile_setup(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+                sel: Selection):
+    """The CPU tile kernel's inputs for a whole layer: q, k, v aligned, the chunk plans, G."""
+    lay, Bs = meta.aligned(), cfg.block_size
+    B, A = meta.batch, lay.aligned_blocks
+    lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
+    doc_BXb = torch.cat([lay.doc_BL, meta.null.expand(B, Bs)], 1).view(B, A + 1, Bs)
+    skey_BXb = torch.cat([lay.skey_BL, lay.skey_BL.new_full((B, Bs), -(2**50))], 1).view(B, A + 1, Bs)
+    plans = plan_chunks(meta, cfg, sel, lists_BGAT, 0, A, doc_BXb, skey_BXb, q_BHSD.shape[-1])
+    qkv = unit_stride(*(to_aligned(t, meta) for t in (q_BHSD, k_BKSD, v_BKSD)))
+    return (*qkv, plans, lists_BGAT.shape[1])
+
+
+def saved_forward(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
+                  sel: Selection) -> tuple[Tensor, Tensor] | None:
+    """A sparse layer's (out (B, H, S, D), lse (B, H, S)) by the CPU tile kernel, for a backward
+    that does not replay it (the compiled op, opaque.py); None where that kernel does not run."""
+    if cfg.gather_kernel != "sdpa" or q_BHSD.device.type != "cpu":
+        return None
+    *qkv, plans, G = _tile_setup(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
+    out_BHLD, lse_BHL1 = tiles_forward(*qkv, plans, G, cfg.block_size, 1 / math.sqrt(q_BHSD.shape[-1]))
+    return from_aligned(out_BHLD, meta), from_aligned(lse_BHL1, meta)[..., 0]
+
+
+def saved_backward(grad_BHSD: Tensor, q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, out_BHSD: Tensor,
+                   lse_BHS: Tensor, meta: AttnMeta, cfg: AttentionConfig, sel: Selection
+                   ) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(dq, dk, dv) from `saved_forward`'s output and lse (to_aligned's inverse is from_aligned:
+    every token has one slot; empty slots get zero queries and gradients)."""
+    if cfg.gather_kernel != "sdpa" or q_BHSD.device.type != "cpu":
+        return None
+    *qkv, plans, G = _tile_setup(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
+    saved = (to_aligned(t, meta) for t in (grad_BHSD, out_BHSD, lse_BHS[..., None]))
+    grad_BHLD, out_BHLD, lse_BHL1 = unit_stride(*saved)
+    grads = tiles_backward(grad_BHLD, *qkv, out_BHLD, lse_BHL1, plans, G, cfg.block_size,
+                           1 / math.sqrt(q_BHSD.shape[-1]))
+    return tuple(from_aligned(g, meta) for g in grads)
+
+
 def sparse_tiles(q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
                  sel: Selection, lists_BGAT: Tensor, t0: int, *qkv: Tensor) -> Tensor:
     """The sparse rule's tile attention: queries of the aligned tiles t0 .. t0 + Y (B, H, Y * Bs, D),
@@ -205,4 +244,5 @@ def run_gather(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, c
 
 
 register_backend(Backend("gather", run_gather, layers=BOTH, devices=ANY, train=ANY,
-                         opaque={SPARSE: attend_sparse_opaque}, auto=4))
+                         opaque={SPARSE: attend_sparse_opaque}, saved=(saved_forward, saved_backward),
+                         auto=4))

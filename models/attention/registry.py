@@ -14,6 +14,8 @@ its entry states the calls it can compute:
             host values, so under torch.compile it is skipped for the layer kinds in `opaque`);
   opaque    layer kind -> the custom op the call runs as under torch.compile (opaque.py); the op's
             body calls `resolve` again eagerly, so compiled and eager run the same backend;
+  saved     (forward, backward) of sparse layers that keep the log-sum-exp: under torch.compile
+            the op's backward runs from it instead of replaying the forward (either may say None);
   decode    runs the one-token KV-cache step itself (none yet: models/inference/attend.py decodes
             every backend's layers; prefill runs the backend);
   fallback  where a call it cannot compute goes: the first of these that trains there and is usable.
@@ -56,6 +58,7 @@ class Backend:
     package: str = ""  # an optional package it needs ("": none)
     usable: Callable[[Tensor, AttnMeta], bool] = _always  # the per-call check (host values allowed)
     opaque: Mapping[str, Callable[..., Tensor]] = field(default_factory=dict)  # kind -> its op
+    saved: tuple[Callable[..., tuple[Tensor, Tensor] | None], Callable[..., tuple | None]] | None = None
     decode: bool = False
     fallback: tuple[str, ...] = ()
     auto: int = 0  # rank among auto's candidates (1 first); 0: not a candidate

@@ -193,52 +193,70 @@ def _walk(plans: list[ChunkPlan], B: int, G: int, H: int, K: int, Bs: int, D: in
             yield plan, i, b, g * R, g * R // (H // K), (plan.C, R, Bs, D)
 
 
+def tiles_forward(q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, plans: list[ChunkPlan], G: int, Bs: int,
+                  scale: float) -> tuple[Tensor, Tensor]:
+    """-> out (B, H, Y * Bs, D), lse (B, H, Y * Bs, 1) (no autograd)."""
+    B, H, P, D = q_BHYD.shape
+    out_BHYD = q_BHYD.new_empty(q_BHYD.shape)
+    lse_BHY1 = q_BHYD.new_empty((B, H, P, 1), dtype=torch.promote_types(q_BHYD.dtype, torch.float32))
+    for plan, i, b, h0, h, shape in _walk(plans, B, G, H, k_BKLD.shape[1], Bs, D):
+        q_CRbD = _tiles(q_BHYD, b, h0, plan.y0, shape)
+        out, lse = _chunk_forward(q_CRbD, k_BKLD, v_BKLD, b, h, plan, i, scale)
+        _tiles(out_BHYD, b, h0, plan.y0, shape).copy_(out)
+        _tiles(lse_BHY1, b, h0, plan.y0, (*shape[:3], 1)).copy_(lse[..., None])
+    return out_BHYD, lse_BHY1
+
+
+def tiles_backward(grad_BHYD: Tensor, q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, out_BHYD: Tensor,
+                   lse_BHY1: Tensor, plans: list[ChunkPlan], G: int, Bs: int, scale: float
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) from the forward's output and log-sum-exp: the fused backwards alone."""
+    grad_BHYD = grad_BHYD if grad_BHYD.stride(-1) == 1 else grad_BHYD.contiguous()
+    B, H, P, D = q_BHYD.shape
+    K, L = k_BKLD.shape[1], k_BKLD.shape[2]
+    dq_BHYD = torch.empty_like(q_BHYD, memory_format=torch.contiguous_format)  # every tile: one chunk
+    dk_BKAbD = k_BKLD.new_zeros(B, K, L // Bs, Bs, D)
+    dv_BKAbD = torch.zeros_like(dk_BKAbD)
+    for plan, i, b, h0, h, shape in _walk(plans, B, G, H, K, Bs, D):
+        q, dout, out = (_tiles(t, b, h0, plan.y0, shape) for t in (q_BHYD, grad_BHYD, out_BHYD))
+        lse = _tiles(lse_BHY1, b, h0, plan.y0, (*shape[:3], 1))[..., 0]
+        dq = None
+        for part in plan.parts:
+            k, v = _read(k_BKLD, b, h, part, i, Bs), _read(v_BKLD, b, h, part, i, Bs)
+            mask = _bias(part, i, q.dtype)
+            gq, gk, gv = _BWD(dout, q, k, v, out, lse, 0.0, part.causal, attn_mask=mask, scale=scale)
+            dq = gq if dq is None else dq.add_(gq)
+            rows = part.rows_nCT[i].reshape(-1)
+            dk_BKAbD[b, h].index_add_(0, rows, gk.view(-1, Bs, D))
+            dv_BKAbD[b, h].index_add_(0, rows, gv.view(-1, Bs, D))
+        _tiles(dq_BHYD, b, h0, plan.y0, shape).copy_(0 if dq is None else dq)
+    return dq_BHYD, dk_BKAbD.view(B, K, L, D), dv_BKAbD.view(B, K, L, D)
+
+
 class TileAttention(torch.autograd.Function):
     """(q (B, H, Y * Bs, D), k / v (B, K, L, D) in aligned slots, plans, G, Bs, scale) -> like q."""
 
     @staticmethod
     def forward(ctx, q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, plans: list[ChunkPlan], G: int, Bs: int,
                 scale: float):
-        B, H, P, D = q_BHYD.shape
-        out_BHYD = q_BHYD.new_empty(q_BHYD.shape)
-        lse_BHY1 = q_BHYD.new_empty((B, H, P, 1), dtype=torch.promote_types(q_BHYD.dtype, torch.float32))
-        for plan, i, b, h0, h, shape in _walk(plans, B, G, H, k_BKLD.shape[1], Bs, D):
-            q_CRbD = _tiles(q_BHYD, b, h0, plan.y0, shape)
-            out, lse = _chunk_forward(q_CRbD, k_BKLD, v_BKLD, b, h, plan, i, scale)
-            _tiles(out_BHYD, b, h0, plan.y0, shape).copy_(out)
-            _tiles(lse_BHY1, b, h0, plan.y0, (*shape[:3], 1)).copy_(lse[..., None])
+        out_BHYD, lse_BHY1 = tiles_forward(q_BHYD, k_BKLD, v_BKLD, plans, G, Bs, scale)
         ctx.save_for_backward(q_BHYD, k_BKLD, v_BKLD, out_BHYD, lse_BHY1)
         ctx.plans, ctx.G, ctx.Bs, ctx.scale = plans, G, Bs, scale
         return out_BHYD
 
     @staticmethod
     def backward(ctx, grad_BHYD: Tensor):
-        q_BHYD, k_BKLD, v_BKLD, out_BHYD, lse_BHY1 = ctx.saved_tensors
-        grad_BHYD = grad_BHYD if grad_BHYD.stride(-1) == 1 else grad_BHYD.contiguous()
-        B, H, P, D = q_BHYD.shape
-        K, L, Bs = k_BKLD.shape[1], k_BKLD.shape[2], ctx.Bs
-        dq_BHYD = torch.empty_like(q_BHYD, memory_format=torch.contiguous_format)  # every tile: one chunk
-        dk_BKAbD = k_BKLD.new_zeros(B, K, L // Bs, Bs, D)
-        dv_BKAbD = torch.zeros_like(dk_BKAbD)
-        for plan, i, b, h0, h, shape in _walk(ctx.plans, B, ctx.G, H, K, Bs, D):
-            q, dout, out = (_tiles(t, b, h0, plan.y0, shape) for t in (q_BHYD, grad_BHYD, out_BHYD))
-            lse = _tiles(lse_BHY1, b, h0, plan.y0, (*shape[:3], 1))[..., 0]
-            dq = None
-            for part in plan.parts:
-                k, v = _read(k_BKLD, b, h, part, i, Bs), _read(v_BKLD, b, h, part, i, Bs)
-                mask = _bias(part, i, q.dtype)
-                gq, gk, gv = _BWD(dout, q, k, v, out, lse, 0.0, part.causal, attn_mask=mask, scale=ctx.scale)
-                dq = gq if dq is None else dq.add_(gq)
-                rows = part.rows_nCT[i].reshape(-1)
-                dk_BKAbD[b, h].index_add_(0, rows, gk.view(-1, Bs, D))
-                dv_BKAbD[b, h].index_add_(0, rows, gv.view(-1, Bs, D))
-            _tiles(dq_BHYD, b, h0, plan.y0, shape).copy_(0 if dq is None else dq)
-        return dq_BHYD, dk_BKAbD.view(B, K, L, D), dv_BKAbD.view(B, K, L, D), None, None, None, None
+        grads = tiles_backward(grad_BHYD, *ctx.saved_tensors, ctx.plans, ctx.G, ctx.Bs, ctx.scale)
+        return *grads, None, None, None, None
+
+
+def unit_stride(*xs: Tensor) -> tuple[Tensor, ...]:
+    """The kernel reads any strides with a unit last one."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in xs)
 
 
 def tile_attention(q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, plans: list[ChunkPlan], G: int,
                    block_size: int, scale: float) -> Tensor:
     """The chunks' attention: queries of Y tiles (B, H, Y * Bs, D), keys and values in aligned slots
     (B, K, L, D), any strides with a unit last one; -> (B, H, Y * Bs, D)."""
-    q_BHYD, k_BKLD, v_BKLD = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_BHYD, k_BKLD, v_BKLD))
-    return TileAttention.apply(q_BHYD, k_BKLD, v_BKLD, plans, G, block_size, scale)
+    return TileAttention.apply(*unit_stride(q_BHYD, k_BKLD, v_BKLD), plans, G, block_size, scale)

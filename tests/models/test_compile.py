@@ -111,7 +111,13 @@ def test_eager_and_compiled_run_the_same_backend(monkeypatch, seed, sparse):
         def spy(*args, name=name, run=b.run):
             ran.append(name)
             return run(*args)
-        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(b, run=spy))
+
+        def spy_saved(*args, name=name, forward=b.saved[0] if b.saved else None):
+            got = forward(*args)  # the compiled sparse op's forward (it keeps the lse)
+            ran.extend([name] if got is not None else [])
+            return got
+        saved = (spy_saved, b.saved[1]) if b.saved else None
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(b, run=spy, saved=saved))
     forward_rows = sdpa._forward_rows  # the sdpa op's own CPU forward (it keeps the lse)
     monkeypatch.setattr(sdpa, "_forward_rows", lambda *a: ran.append("sdpa") or forward_rows(*a))
     cfg = AttentionConfig(block_size=4, window=4, top_k=1)
@@ -130,3 +136,27 @@ def test_eager_and_compiled_run_the_same_backend(monkeypatch, seed, sparse):
         assert ran == eager_ran, (ran, eager_ran)
         assert torch.allclose(compiled, eager, atol=1e-5)
     assert eager_ran == ["gather"]  # the split documents' fallback (and sparse layers' backend)
+
+
+def test_compiled_sparse_backward_runs_from_the_saved_lse(monkeypatch, seed):
+    """Under compile the sparse op returns its log-sum-exp and its backward runs the fused backward
+    from it: one tile forward per step, not two, and the eager gradients."""
+    from mmtrain.models.attention import gather, tiles
+
+    calls = []
+    forward = tiles.tiles_forward
+    for module in (gather, tiles):  # gather's saved_forward and the eager TileAttention
+        monkeypatch.setattr(module, "tiles_forward", lambda *a: calls.append(1) or forward(*a))
+    cfg = AttentionConfig(block_size=4, window=8, top_k=2)
+    meta = build_meta(*random_ids(2, 64, 4), 4)
+    q, k, v = random_qkv(2, 4, 2, 64, 8)
+    w = torch.randn(2, 4, 64, 8)
+    eager = torch.autograd.grad((attend(q, k, v, meta, cfg, sparse=True) * w).sum(), (q, k, v))
+    assert len(calls) == 1
+    calls.clear()
+    torch._dynamo.reset()
+    fn = torch.compile(functools.partial(attend, meta=meta, cfg=cfg, sparse=True), backend="aot_eager")
+    compiled = torch.autograd.grad((fn(q, k, v) * w).sum(), (q, k, v))
+    assert len(calls) == 1, calls
+    for a, b in zip(compiled, eager):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
