@@ -160,3 +160,15 @@ def tile_mask(idx_BGCT: Tensor, doc_BXb: Tensor, skey_BXb: Tensor, pos_Xb: Tenso
     if keep_BGCbT is not None:
         mask_BGCbJ = mask_BGCbJ & keep_BGCbT.repeat_interleave(Bs, -1)
     return mask_BGCbJ
+
+
+def visible_blocks(meta: AttnMeta, list_BGCT: Tensor, a0: int, keep_BGCbT: Tensor) -> Tensor:
+    """(B, G, C, T) the listed blocks every real token of tiles a0 .. a0 + C sees whole: earlier
+    blocks of the tile's document (never partial) that the block rule `keep` (tile_keep) keeps
+    for all of them, so attention over them needs no mask."""
+    lay = meta.aligned()
+    C, Bs = list_BGCT.shape[2], keep_BGCbT.shape[3]
+    tile_11C1 = torch.arange(a0, a0 + C, device=list_BGCT.device).view(1, 1, C, 1)
+    real_BCb = torch.arange(Bs, device=list_BGCT.device) < lay.count_BA[:, a0:a0 + C, None]
+    earlier_BGCT = (list_BGCT < tile_11C1) & (list_BGCT >= lay.first_BA[:, None, a0:a0 + C, None])
+    return earlier_BGCT & (keep_BGCbT | ~real_BCb[:, None, ..., None]).all(-2)

@@ -3,7 +3,8 @@
 mask_mod is the ground truth (the token rule, and for sparse layers the block rule with the
 per-token picks); the BlockMask lists every kernel tile pair where mask_mod can be true, so the
 kernel skips the rest. Sparse layers run on the aligned layout (meta.py), as in `gather`: their
-tile lists are `blocks.sparse_lists`, coarsened to flex's tile. Full layers run on the row
+tile lists are `blocks.sparse_lists`, coarsened to flex's tile, and a coarse pair whose blocks
+are all visible to all its queries (`blocks.visible_blocks`) is "full". Full layers run on the row
 layout: a tile visits the range of tiles its tokens can reach (`blocks.full_intervals`), and
 tile pairs inside one document strictly below the diagonal go in the "full" lists (no mask_mod
 evaluated there). The compiled kernel is the CUDA training path; on CPU (torch 2.13) compiled
@@ -26,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .blocks import full_intervals, kept, sparse_lists
+from .blocks import full_intervals, kept, sparse_lists, tile_keep, visible_blocks
 from .config import AttentionConfig
 from .meta import AttnMeta, token_mask
 from .registry import BOTH, Backend, register_backend
@@ -65,6 +66,28 @@ def _coarse_table(lists_BGAT: Tensor, A: int, f: int) -> Tensor:
     return table_BGXY.scatter_(-1, coarse_BGXT, True)[..., :X]
 
 
+def _full_table(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, lists_BGAT: Tensor, f: int,
+                chunk: int = 256) -> Tensor:
+    """(B, G, X, X) coarse tile pairs every query of which sees every key: all f x f block pairs
+    visible (blocks.visible_blocks) and the query tile without empty slots."""
+    lay = meta.aligned()
+    B, G, A, T = lists_BGAT.shape
+    X = -(-A // f)
+    count_BGXY = torch.zeros(B, G, X, X + 1, dtype=torch.int32, device=lists_BGAT.device)
+    for a0 in range(0, A, chunk):
+        list_BGCT = lists_BGAT[:, :, a0:a0 + chunk]
+        C = list_BGCT.shape[2]
+        keep_BGCbT = tile_keep(meta, cfg, list_BGCT, a0, sel.picks_BGLk)
+        whole_B1C1 = (lay.count_BA[:, a0:a0 + C] == cfg.block_size)[:, None, :, None]
+        vis_BGCT = visible_blocks(meta, list_BGCT, a0, keep_BGCbT) & whole_B1C1
+        y_BGCT = torch.where(vis_BGCT, list_BGCT // f, X)
+        x_C = torch.arange(a0, a0 + C, device=y_BGCT.device) // f
+        flat_BGCT = x_C[:, None] * (X + 1) + y_BGCT
+        count_BGXY.view(B, G, -1).scatter_add_(2, flat_BGCT.reshape(B, G, -1),
+                                               vis_BGCT.int().reshape(B, G, -1))
+    return count_BGXY[..., :X] == f * f
+
+
 def sparse_block_mask(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, H: int):
     """BlockMask of a sparse layer over the aligned layout (L slots)."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -74,8 +97,10 @@ def sparse_block_mask(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, H: i
     Bf = math.lcm(Bs, 128)
     lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
     table_BGXY = _coarse_table(lists_BGAT, A, Bf // Bs)
+    full_BGXY = _full_table(meta, cfg, sel, lists_BGAT, Bf // Bs)  # no mask_mod evaluated there
     if table_BGXY.shape[1] not in (1, H):
         table_BGXY = table_BGXY.repeat_interleave(H // table_BGXY.shape[1], 1)
+        full_BGXY = full_BGXY.repeat_interleave(H // full_BGXY.shape[1], 1)
     extra = 2 * Bf
     doc_BL, skey_BL = _pad(lay.doc_BL, extra, meta.null), _pad(lay.skey_BL, extra, -(2**50))
     span_lo_BL, span_hi_BL = _pad(lay.span_lo_BL, extra, 1), _pad(lay.span_hi_BL, extra, 0)
@@ -96,8 +121,10 @@ def sparse_block_mask(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, H: i
             keep = keep | (p_BGL[b, h // R, q_idx] == nk)
         return rule & keep
 
-    n_part, i_part = _kv_lists(table_BGXY)
-    return BlockMask.from_kv_blocks(n_part, i_part, BLOCK_SIZE=Bf, mask_mod=mask_mod, seq_lengths=(L, L))
+    n_part, i_part = _kv_lists(table_BGXY & ~full_BGXY)
+    n_full, i_full = _kv_lists(full_BGXY)
+    return BlockMask.from_kv_blocks(n_part, i_part, n_full, i_full, BLOCK_SIZE=Bf, mask_mod=mask_mod,
+                                    seq_lengths=(L, L))
 
 
 def full_block_mask(meta: AttnMeta):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import tile_keep, tile_mask, window_blocks
+from .blocks import tile_keep, tile_mask, visible_blocks, window_blocks
 from .config import AttentionConfig
 from .meta import AttnMeta
 from .select import Selection
@@ -104,18 +104,14 @@ def plan_chunks(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, lists_BGAT
     for c0 in range(t0, t0 + Y, C):
         n = min(C, t0 + Y - c0)
         idx_BGCT = lists_BGAT[:, :, c0:c0 + n]
-        keep_BGCbT = tile_keep(meta, cfg, idx_BGCT, c0, sel.picks_BGLk)
-        tile_11C1 = torch.arange(c0, c0 + n, device=idx_BGCT.device).view(1, 1, n, 1)
-        real_BCb = torch.arange(Bs, device=idx_BGCT.device) < lay.count_BA[:, c0:c0 + n, None]
-        real_B1Cb1 = real_BCb[:, None, ..., None]
-        visible_BGCT = (idx_BGCT < tile_11C1) & (idx_BGCT >= lay.first_BA[:, None, c0:c0 + n, None]) & (
-            keep_BGCbT | ~real_B1Cb1).all(-2)
+        visible_BGCT = visible_blocks(meta, idx_BGCT, c0, tile_keep(meta, cfg, idx_BGCT, c0, sel.picks_BGLk))
         vis_BGCF, rest_BGCP = _split(idx_BGCT, visible_BGCT, A)
         parts = _visible_parts(vis_BGCF.flatten(0, 1), window_blocks(cfg))
         if rest_BGCP.shape[-1]:
             mask_BGCbJ = tile_mask(rest_BGCP, doc_BXb, skey_BXb, pos_Xb, c0,
                                    tile_keep(meta, cfg, rest_BGCP, c0, sel.picks_BGLk))
-            own = rest_BGCP.shape[-1] == 1 and bool((rest_BGCP[..., 0] == tile_11C1[..., 0]).all())
+            tile_11C = torch.arange(c0, c0 + n, device=idx_BGCT.device).view(1, 1, n)
+            own = rest_BGCP.shape[-1] == 1 and bool((rest_BGCP[..., 0] == tile_11C).all())
             causal = own and not bool(lay.vis_BA[:, c0:c0 + n].any())  # own text blocks: causal inside
             parts.append(Part(rest_BGCP.masked_fill(rest_BGCP == A, 0).flatten(0, 1), None,
                               mask_BGCbJ.flatten(0, 1), mask_BGCbJ.any(-1).flatten(0, 1), causal))

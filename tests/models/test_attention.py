@@ -248,11 +248,12 @@ def test_flex_block_mask_lists_every_pair_mask_mod_allows(seed, sparse):
     a listed tile, and every "full" tile is allowed entirely (the compiled kernel relies on both)."""
     from torch.nn.attention.flex_attention import create_mask
 
-    Bs, H = random.choice([4, 8, 32, 64]), 4
-    S = random.randint(3 * Bs, 400)
+    Bs, H = random.choice([4, 8, 32, 64, 128]), 4
+    S = random.randint(3 * Bs, max(400, 8 * Bs))
     meta = build_meta(*random_batch(2, S, Bs), Bs)
     q, k, _ = random_qkv(2, H, 2, S, 8, grad=False)
-    cfg = AttentionConfig(block_size=Bs, window=Bs, top_k=1, select=random.choice(["token", "block"]))
+    cfg = AttentionConfig(block_size=Bs, window=random.choice([Bs, 512]), top_k=1,
+                          select=random.choice(["token", "block"]))
     if sparse:
         bm = sparse_block_mask(meta, cfg, select_blocks(q, k, meta, cfg), H)
         real_BL = meta.aligned().src_BL >= 0
@@ -271,9 +272,29 @@ def test_flex_block_mask_lists_every_pair_mask_mod_allows(seed, sparse):
     assert not (tiles_BHXY & ~(listed | full)).any(), f"seed={seed}: an allowed pair is in no listed tile"
     assert not (listed & full).any()
     if full.any():
-        every_BHXY = torch.nn.functional.pad(create_mask(bm.mask_mod, 2, 1, L, L, device="cpu"),
-                                             (0, X * Bf - L, 0, X * Bf - L)).view(2, 1, X, Bf, X, Bf)
+        every_BHLL = create_mask(bm.mask_mod, 2, H if sparse else 1, L, L, device="cpu")
+        every_BHXY = torch.nn.functional.pad(every_BHLL, (0, X * Bf - L, 0, X * Bf - L)).view(
+            2, every_BHLL.shape[1], X, Bf, X, Bf)
         assert every_BHXY.all(5).all(3)[full].all(), f"seed={seed}: a full tile holds a masked pair"
+
+
+def test_flex_sparse_block_mask_marks_visible_tiles_full(seed):
+    """A long document with a long window: flex skips mask_mod on the coarse tiles whose blocks are
+    all visible (the fully visible part of the window), as gather's CPU kernel runs them unmasked."""
+    Bs, S, H = 64, 64 * random.randint(16, 24), 2
+    meta = build_meta(torch.zeros(1, S, dtype=torch.int32), torch.full((1, S), -1, dtype=torch.int32), Bs)
+    cfg = AttentionConfig(block_size=Bs, window=8 * Bs, top_k=1)
+    q, k, v = random_qkv(1, H, 2, S, 8, grad=False)
+    sel = select_blocks(q, k, meta, cfg)
+    bm = sparse_block_mask(meta, cfg, sel, H)
+    full, part = bm.full_kv_num_blocks.sum(), bm.kv_num_blocks.sum()
+    assert full > 0 and part > 0, (full, part)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = attend_flex(q, k, v, meta, cfg, sel, compiled=False)
+    dense = AttentionConfig(backend="dense", dense_impl="eager", block_size=Bs, window=8 * Bs, top_k=1)
+    ref = attend(q, k, v, meta, dense, True)
+    assert rel_err(got, ref) < 1e-5, f"seed={seed}"
 
 
 @pytest.mark.parametrize("sparse", [True, False])
