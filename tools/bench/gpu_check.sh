@@ -4,6 +4,8 @@
 #   1. the CUDA tests (pytest -m gpu);
 #   2. `small` in bf16 with every block compiled: tokens/s, MFU, peak memory (bench_model);
 #   3. flex sparse vs dense SDPA attention, forward + backward, at 16k / 32k / 128k (bench_attention);
+#      the sparse layer's efficiency against the full layer (t_full x kept / t_sparse) at 16k / 64k
+#      with the default settings (bench_efficiency);
 #   4. MoE dispatch: grouped_mm vs the per-expert loop at 8 and 64 experts, bf16 (bench_moe);
 #   5. 50 steps of `small` under torchrun with FSDP2 on NCCL (gpu_train_small.sh; FSDP2 needs >= 2
 #      GPUs: with one GPU it is a single process, which the table says).
@@ -56,10 +58,13 @@ if [ $DRY -eq 1 ]; then
   step attention 120 "^\||gather|dense|Error" \
     "$PYTHON" -m tools.bench.bench_attention "${DEV[@]}" --seq "${SEQS[@]}" --repeats 1 --backends gather dense
 else
-  step attention 170 "^\||flex|dense|Error" \
+  step attention 120 "^\||flex|dense|Error" \
     "$PYTHON" -m tools.bench.bench_attention "${DEV[@]}" --seq "${SEQS[@]}" --repeats 3 --backends flex dense \
     --budget-gib 120 --timeout 28
 fi
+step efficiency 50 "^\| default|Error" \
+  "$PYTHON" -m tools.bench.bench_efficiency "${DEV[@]}" --settings default --repeats 3 \
+  --seq $([ $DRY -eq 1 ] && echo 1024 || echo 16384 65536)
 step moe 60 "experts|^ *[0-9]|Error" \
   "$PYTHON" -m tools.bench.bench_moe "${DEV[@]}" --dtype "$DT" --experts "${EXPERTS[@]}" --iters 5
 if [ $DRY -eq 1 ]; then
