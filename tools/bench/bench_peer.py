@@ -12,7 +12,9 @@ one document with 2 images of 64x64 pixels (16 decoder tokens each). fp32, fused
 forward + cross-entropy (+ the models' own MoE auxiliary losses) + backward + optimizer step.
 mmtrain runs with every layer full ("F") and with the F/S layout (full, sparse, ...; the default
 sparse rule: block 64, window 256, sink, top-4 by the previous block's mean query); with
-`--compile` also with every vision block and decoder layer compiled by Inductor, as
+`--layouts long` the long-context layout (FSSS: one full layer in four; window 1024, top-8
+blocks of 64, visual blocks kept); with `--compile` also with every vision block and decoder
+layer compiled by Inductor, as
 `dist.compile: true` does (the compile happens in the warm-up steps, not timed).
 
 Nothing is downloaded: the peer is built from a config. Its attention is causal over all tokens
@@ -43,13 +45,19 @@ VIT_DIM, VIT_DEPTH, VIT_HEADS, PATCH, GRID = 128, 2, 4, 8, 8  # an image: 8x8 pa
 IMAGE_ID, VIDEO_ID, START_ID, END_ID = VOCAB - 4, VOCAB - 3, VOCAB - 2, VOCAB - 1
 
 
+# A named layout: (layer_layout, attention overrides). "long": one full layer in four, the sparse
+# layers with window 1024, top-8 blocks of 64 and every earlier visual block kept.
+LAYOUTS = {"long": ("FSSS", {"window": 1024, "top_k": 8, "visual_always": True})}
+
+
 def mmtrain_model(layout: str, backend: str = "auto") -> MultimodalModel:
+    layout, knobs = LAYOUTS.get(layout, (layout, {}))
     cfg = ModelConfig(
         vision=VisionConfig(patch_size=PATCH, temporal_patch=2, merge=2, dim=VIT_DIM, depth=VIT_DEPTH,
                             n_heads=VIT_HEADS),
         decoder=DecoderConfig(vocab_size=VOCAB, dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS,
                               mrope_sections=(8, 12, 12), layer_layout=layout,
-                              attention=AttentionConfig(backend=backend),
+                              attention=AttentionConfig(backend=backend, **knobs),
                               moe=MoEConfig(n_routed=EXPERTS, top_k=TOP_K, n_shared=0, expert_dim=EXPERT_DIM,
                                             first_dense_layers=0)))
     return MultimodalModel(cfg).train()
@@ -168,7 +176,8 @@ def run_seq(seq: int, args) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--layouts", nargs="+", default=["F", "FS"], help="mmtrain layer layouts")
+    ap.add_argument("--layouts", nargs="+", default=["F", "FS"],
+                    help="mmtrain layer layouts (F, FS, ..., or long: FSSS with window 1024, top-8)")
     ap.add_argument("--backend", default="auto", help="mmtrain attention backend")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per side per round")
     ap.add_argument("--rounds", type=int, default=2)
