@@ -91,6 +91,12 @@ def _split(idx_BGCT: Tensor, visible_BGCT: Tensor, null: int) -> tuple[Tensor, T
     return sorted_BGCT.gather(-1, pos_BGCF), rest_BGCT[..., :P]
 
 
+def _uneven(visible_BGCT: Tensor) -> bool:
+    """More than a quarter of the chunk's visible blocks would go to the masked call (host sync)."""
+    F_BGC = visible_BGCT.sum(-1)
+    return bool((F_BGC - F_BGC.amin()).sum() * 4 > F_BGC.sum())
+
+
 @torch.no_grad()
 def plan_chunks(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, lists_BGAT: Tensor, t0: int, Y: int,
                 doc_BXb: Tensor, skey_BXb: Tensor, D: int) -> list[ChunkPlan]:
@@ -101,10 +107,14 @@ def plan_chunks(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, lists_BGAT
     C = max(1, min(cfg.gather_chunk, _CHUNK_BYTES // (T * Bs * D * 4)))
     pos_Xb = torch.arange((A + 1) * Bs, device=doc_BXb.device).view(A + 1, Bs)
     plans = []
-    for c0 in range(t0, t0 + Y, C):
-        n = min(C, t0 + Y - c0)
+    todo = [(c0, min(C, t0 + Y - c0)) for c0 in range(t0, t0 + Y, C)][::-1]
+    while todo:
+        c0, n = todo.pop()
         idx_BGCT = lists_BGAT[:, :, c0:c0 + n]
         visible_BGCT = visible_blocks(meta, idx_BGCT, c0, tile_keep(meta, cfg, idx_BGCT, c0, sel.picks_BGLk))
+        if n >= 8 and _uneven(visible_BGCT):  # e.g. a document's first tiles: halves waste less
+            todo += [(c0 + n // 2, n - n // 2), (c0, n // 2)]
+            continue
         vis_BGCF, rest_BGCP = _split(idx_BGCT, visible_BGCT, A)
         parts = _visible_parts(vis_BGCF.flatten(0, 1), window_blocks(cfg))
         if rest_BGCP.shape[-1]:
