@@ -4,22 +4,14 @@
     backend = resolve(cfg, q_BHSD, meta, sparse)  # the one choice: eager, compiled and op bodies
     out_BHSD = backend.run(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)  # sel: the Selection, None if full
 
-Every backend computes the same function (the token rule, and on sparse layers the block rule);
-its entry states the calls it can compute:
-  layers    "full" and/or "sparse";
-  devices   device types its forward runs on; train: those where it also has a backward (auto and
-            fallbacks pick a backend only where it trains); "any": every device type;
-  package   an optional package it needs (not importable: unusable, one warning);
-  usable    a per-call check beyond those (dtype, spans, contiguous documents; may read the meta's
-            host values, so under torch.compile it is skipped for the layer kinds in `opaque`);
-  opaque    layer kind -> the custom op the call runs as under torch.compile (opaque.py); the op's
-            body calls `resolve` again eagerly, so compiled and eager run the same backend;
-  saved     (forward, backward) of sparse layers that keep the log-sum-exp: under torch.compile
-            the op's backward runs from it instead of replaying the forward (either may say None);
-  decode    runs the one-token KV-cache step itself (none yet: models/inference/attend.py decodes
-            every backend's layers; prefill runs the backend);
-  fallback  where a call it cannot compute goes: the first of these that trains there and is usable.
-`auto` is the same walk over the backends with an `auto` rank, lowest first.
+Every backend computes the same function (the token rule, and on sparse layers the block rule).
+An entry states: `layers` (full / sparse); `devices` its forward runs on and `train` those with a
+backward ("any": all; auto and fallbacks pick only where it trains); an optional `package`; a
+per-call `usable` check (host values allowed; skipped under compile for its `opaque` kinds);
+`opaque`: layer kind -> the custom op it runs as under torch.compile (opaque.py, whose body calls
+`resolve` again); `saved`: a sparse forward that also returns the log-sum-exp and the backward
+from it; `decode`; `fallback` (where a call it cannot compute goes: the first that trains there
+and is usable). `auto` walks the backends with an `auto` rank, lowest first.
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """The `sdpa` backend: full layers as PyTorch's fused `scaled_dot_product_attention` per document.
 
 A row is cut into segments along document runs (host-side plan, once per forward, cached in
-`meta.cache`):
-  * a long document is one segment run with `is_causal=True` (the fused kernel skips the blocks
-    above the diagonal); a document that is one visual span from start to end (a medium in the
-    vision encoder) runs without causality and without a mask;
-  * consecutive documents that are each one visual span of the same length (media in the vision
-    tower) run as one batched call, without mask or causality;
-  * consecutive short documents are grouped into one segment of at most `group` tokens with the
-    token rule as an explicit mask (block-diagonal causal): fewer, larger calls;
-  * the query rows of the visual spans of a causal segment (bidirectional inside, per the token
-    rule) are recomputed with the token-rule mask over the keys from their document's start to
-    the span's end, and replace the causal rows (adjacent spans merged into one such patch).
-Every call is exact, so this computes the same function as `dense`; gradients flow through
-SDPA's own backward (the replaced rows of the causal call get no gradient, as they should).
-The backend is usable when every document is one contiguous run of its row (else `plan` -> None
-and the registry runs its fallback, gather).
-
-Under torch.compile the call is an opaque custom op (the plan is data dependent: no graph break,
-no recompilation per batch) whose body resolves the backend again, so split documents run gather
-there too. On CPU it runs aten's flash forward per call and also returns every row's
-log-sum-exp, which autograd saves with the output; its backward, a second opaque op, replays the
-plan with aten's flash backward on those (no second attention forward).
+`meta.cache`; ARCHITECTURE, "Fused kernels on CPU"): a long document is one `is_causal` call, a
+document that is one visual span one unmasked call, consecutive equal one-span documents one
+batched call, short documents grouped (`sdpa_group`) into one call with the token rule as a
+mask; the rows of a causal segment's visual spans are recomputed with their mask and replace the
+causal rows. Every call is exact (the function of `dense`). Documents that are not one
+contiguous run make `plan` return None: the registry runs the fallback, gather.
+Under torch.compile the call is an opaque custom op whose body resolves the backend again; on
+CPU it runs aten's flash forward per call and returns every row's log-sum-exp, from which its
+backward op runs aten's flash backward (no second attention forward).
 
 Legend: B batch, H query heads, K kv heads, S tokens, D head dim, N segments / patches of a row.
 """
