@@ -94,23 +94,28 @@ def sparse_attend_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     return recompute_grads(lambda *qkv: _attend(*qkv, doc_BS, skey_BS, vis_BS, cfg_json)[0], grad, q, k, v)
 
 
-@sparse_attend_backward_op.register_fake
-def _(grad, q, k, v, out, lse, doc_BS, skey_BS, vis_BS, cfg_json):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def register_lse_backward(op, backward_op) -> None:
+    """Wire `op(q, k, v, doc_BS, skey_BS, vis_BS, cfg_json) -> (out, lse)` to `backward_op(grad, q,
+    k, v, out, lse, doc_BS, skey_BS, vis_BS, cfg_json) -> (dq, dk, dv)`: the backward's fake
+    (contiguous gradients) and the autograd formula (what it saves: inputs, output, lse)."""
+
+    @backward_op.register_fake
+    def _(grad, q, k, v, *rest):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def setup(ctx, inputs, output):
+        q, k, v, doc_BS, skey_BS, vis_BS, cfg_json = inputs
+        ctx.save_for_backward(q, k, v, *output, doc_BS, skey_BS, vis_BS)
+        ctx.cfg_json = cfg_json
+
+    def backward(ctx, grad, _grad_lse):
+        dq, dk, dv = backward_op(grad.contiguous(), *ctx.saved_tensors, ctx.cfg_json)
+        return dq, dk, dv, None, None, None, None
+
+    op.register_autograd(backward, setup_context=setup)
 
 
-def _setup(ctx, inputs, output):
-    q, k, v, doc_BS, skey_BS, vis_BS, cfg_json = inputs
-    ctx.save_for_backward(q, k, v, *output, doc_BS, skey_BS, vis_BS)
-    ctx.cfg_json = cfg_json
-
-
-def _backward(ctx, grad, _grad_lse):
-    dq, dk, dv = sparse_attend_backward_op(grad.contiguous(), *ctx.saved_tensors, ctx.cfg_json)
-    return dq, dk, dv, None, None, None, None
-
-
-sparse_attend_op.register_autograd(_backward, setup_context=_setup)
+register_lse_backward(sparse_attend_op, sparse_attend_backward_op)
 
 
 def recompute_grads(fn, grad: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:

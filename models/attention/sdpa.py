@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .config import AttentionConfig
 from .meta import AttnMeta, token_mask
-from .opaque import config_from, config_json, meta_from, recompute_grads
+from .opaque import config_from, config_json, meta_from, recompute_grads, register_lse_backward
 from .registry import ANY, FULL, Backend, register_backend, resolve
 
 Tensor = torch.Tensor
@@ -291,23 +291,7 @@ def sdpa_full_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     return _backward_rows(grad, q, k, v, out, lse, meta.doc_BS, meta.skey_BS, _plan(meta, cfg.sdpa_group))
 
 
-@sdpa_full_backward_op.register_fake
-def _(grad, q, k, v, out, lse, doc_BS, skey_BS, vis_BS, cfg_json):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _setup(ctx, inputs, output):
-    q, k, v, doc_BS, skey_BS, vis_BS, cfg_json = inputs
-    ctx.save_for_backward(q, k, v, *output, doc_BS, skey_BS, vis_BS)
-    ctx.cfg_json = cfg_json
-
-
-def _backward(ctx, grad, _grad_lse):
-    dq, dk, dv = sdpa_full_backward_op(grad.contiguous(), *ctx.saved_tensors, ctx.cfg_json)
-    return dq, dk, dv, None, None, None, None
-
-
-sdpa_full_op.register_autograd(_backward, setup_context=_setup)
+register_lse_backward(sdpa_full_op, sdpa_full_backward_op)
 
 
 def _plan(meta: AttnMeta, group: int) -> list[list[Segment]]:

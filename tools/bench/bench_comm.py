@@ -8,7 +8,7 @@ parallelism's selective K/V fetch vs an all-gather of K/V.
 
 measure: the tiny config's model (`configs/tiny.yaml`, vocab 512, 2 rows x 256 text tokens per
   rank, fp32 on CPU) trains one step (forward, backward, expert-gradient scaling, clipping) under
-  torchrun on gloo at several meshes, through `mmtrain.parallelize.build_model`. Every
+  torchrun on gloo at several meshes, through `mmtrain.parallel.parallelize.build_model`. Every
   all-gather, reduce-scatter, all-reduce and all-to-all call is counted (torch.distributed's
   functions wrapped) and turned into wire bytes per rank with the ring factors below; the EP
   all-to-all also by the trainer's own `Traffic`. The same numbers come from `formula()` on the
