@@ -1,41 +1,17 @@
-"""Attention for mmtrain: one definition, several backends.
+"""Attention for mmtrain: one definition, several backends (ARCHITECTURE, "Model").
 
     from mmtrain.models.attention import AttentionConfig, AttnMeta, build_meta, attend, recompute_probs
     meta = build_meta(doc_ids_BS, span_ids_BS, cfg.block_size)   # once per forward, all layers
     out_BHSD = attend(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sparse, capture=None, stats=None)
 
-Token rule (every layer, every backend): query i may attend key j iff doc[i] == doc[j] and
-(j <= i or i, j are in one visual span). Text is causal; the tokens of one image / one video frame
-(one span) see each other bidirectionally; across spans and media, causal. Every query sees
-itself. Document ids < 0 are padding (a document of its own, not counted by counts.py or MoE).
-
-Sparse layers keep, for each query token, a set of key blocks of its own document, with blocks
-counted from the document's first token (block n = its tokens [n*Bs, (n+1)*Bs)) so a document
-computes the same thing wherever the packer put it (blocks.py):
-  * own block (causal inside), the ceil(window / Bs) blocks before it, block 0 (cfg.sink), every
-    earlier block holding a visual token (cfg.visual_always), the blocks of the query's own
-    visual span (closure, so spans stay bidirectional);
-  * top-k of the completed earlier blocks not kept already, scored by q . mean(k over the block)
-    with the query token's own q ("token", MoBA's gating) or the previous block's mean query
-    ("block"); select.py.
-What a query keeps depends only on its own document up to its own position (plus its span):
-causality is a property, tested as one (test_attention_properties.py, test_causality.py).
-Selection is stored as O(S * k) doc-relative ids per selection head (`Selection`); nothing in the
-sparse path is S x S or blocks x blocks.
-
-Backends (same function), a registry (registry.py: each entry states its layer kinds, devices,
-backward, compiled path, optional package, per-call check and fallback; `resolve` picks one for
-eager calls, compiled calls and the custom ops' bodies alike): `dense` (reference; eager fp32 or
-SDPA with the materialised mask, O(S^2)); `gather` (pure PyTorch, trainable on CPU/GPU: sparse
-layers on the aligned layout, full layers on the row layout, tiles visiting ranges of blocks);
-`sdpa` (full layers: fused SDPA per document; documents split across a row -> gather); `flex`
-(FlexAttention BlockMask + mask_mod, the CUDA training path; CPU: forward only); `flash`
-(flash-attn varlen, full layers of span-free half-precision batches -> flex / gather). `auto`:
-sparse -> flex on CUDA, gather on CPU; full -> flash if usable, else flex on CUDA, sdpa on CPU.
-Under torch.compile a backend's host-sized paths (sdpa, the sparse gather path with its
-selection) run as opaque custom ops (opaque.py): no graph break.
-`recompute_probs` rebuilds attention rows from a capture with exactly the layer's mask;
-`counts` says what a layer visited (keys, kept blocks).
+Token rule (meta.py): query i may attend key j iff doc[i] == doc[j] and (j <= i or i, j are in
+one visual span); document ids < 0 are padding. Sparse layers also apply the block rule
+(blocks.py: own block, window, sink, visual blocks, the query's span, top-k picks of select.py),
+with blocks counted from each document's first token: what a query keeps depends only on its own
+document up to its position, and nothing is S x S. Backends compute the same function and form a
+registry (registry.py): dense (the reference), gather (CPU/GPU; tiles.py on CPU), sdpa (fused full
+layers on CPU), flex (CUDA), flash (optional). `recompute_probs` rebuilds attention rows from a
+capture with the layer's exact mask; counts.py says what a layer visited.
 """
 
 from .api import attend, resolve_backend

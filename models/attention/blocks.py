@@ -1,20 +1,14 @@
 """The sparse block rule (one definition for every backend) and the per-tile key-block lists.
 
-`kept(...)` says whether a query token keeps a key block of its own document. Blocks are
-document-relative (meta.py); nq is the query's block, nk the key's:
-  * own:     nk == nq (the token rule inside: causal, spans bidirectional);
-  * window:  nq - ceil(window / Bs) <= nk < nq;
-  * sink:    nk == 0 (cfg.sink);
-  * visual:  nk < nq and block nk holds a visual token (cfg.visual_always);
-  * closure: span_lo <= nk <= span_hi, the blocks of the query's own visual span (text: none);
-  * picks:   nk is one of the query's top-k picks (select.py: completed earlier blocks only).
-Everything a query keeps is known from its own document's tokens at positions <= its own (plus
-its own visual span): the rule is causal by construction, and the tests check it as a property.
-
-`sparse_lists` turns the rule into what the gather/flex kernels visit: per aligned block (a
-kernel tile) and selection head, the sorted union of the blocks any of its tokens keeps, padded
-with the null block A to a common length T. Per-token differences inside a tile (closure, picks)
-are applied by `kept` inside the kernel. Memory O(A * T): never A x A.
+`kept(...)` says whether a query token keeps a key block of its own document (blocks are
+document-relative, meta.py; nq the query's block, nk the key's): own (nk == nq, the token rule
+inside), window (nq - ceil(window / Bs) <= nk < nq), sink (nk == 0), visual (nk < nq holding a
+visual token), closure (the blocks of the query's own visual span), picks (select.py). It is
+causal by construction; the tests check it as a property.
+`sparse_lists`: per aligned block (a kernel tile) and selection head, the sorted union of the
+blocks any of its tokens keeps, null-padded (block A) to T; `tile_keep` / `tile_mask` apply the
+rule per token inside a tile's blocks; `visible_blocks` are the blocks a tile needs no mask for.
+Memory O(A * T), never A x A.
 
 Legend: B batch rows, G selection heads, A aligned blocks, Bs block size, L = A * Bs slots,
 T listed blocks per tile, k = top_k, C tiles in a chunk, Q row blocks.
