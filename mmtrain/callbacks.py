@@ -1,29 +1,18 @@
-"""Callbacks: what the trainer does besides stepping, behind one small interface.
-
-The loop (mmtrain/loop/trainer.py) steps, evaluates and checkpoints; everything else -- collapse
-diagnostics, throughput/MFU logging, curriculum stages, the captioning eval, fault injection, and
-whatever a user adds -- is a `Callback` the loop calls at fixed points (OLMo-core's pattern):
+"""Callbacks: what the trainer does besides stepping, behind one small interface (OLMo-core's pattern).
 
     on_train_start(trainer)               after resume and the first eval, before the first step
-    on_loss(trainer, loss) -> loss        each micro-batch: this rank's share of its loss, before
-                                          backward (add a term, or poison it for fault injection)
-    on_step_end(trainer, stats)           after every optimizer step (or skipped step), in order;
-                                          `trainer.step` is the step just finished
+    on_loss(trainer, loss) -> loss        each micro-batch: this rank's share of its loss, before backward
+    on_step_end(trainer, stats)           after every step (or skipped step); `trainer.step` is that step
     on_log(trainer, stats, scalars)       on log steps: add TensorBoard scalars to `scalars`
     on_eval(trainer, record)              after each evaluation: add entries to its history record
-    on_diagnostics(trainer, result)       after each collapse-diagnostics run (a DiagResult, the same
-                                          on every rank): a balancer, the mixture controller read gaps
+    on_diagnostics(trainer, result)       after each diagnostics run (a DiagResult, the same on every rank)
     on_checkpoint_written(trainer, step)  every rank's files are written, not yet committed
     on_checkpoint(trainer, path)          the checkpoint at `path` is committed
     on_train_end(trainer, summary)        after the final checkpoint: add entries to the summary
 
-Every hook runs on every rank, in the same order, so a hook may use collectives. Callbacks run in
-list order: the built-ins the config asks for, then the user's (`Trainer(cfg, callbacks=[...])`),
-then fault injection (a simulated crash comes after everything else a step does).
-
-A callback with `state_dict()` / `load_state_dict()` (torch's `Stateful` protocol) is a part of the
-checkpoint, `callback.<name>` (or its `part`): replicated (rank 0's copy) unless `per_rank = True`.
-A checkpoint without that part (an older one, or the callback is new) leaves the callback as built.
+Every hook runs on every rank in list order (so it may use collectives): built-ins, the user's
+(`Trainer(cfg, callbacks=[...])`), fault injection last (ARCHITECTURE, "The loop and its callbacks").
+A Stateful callback is the checkpoint part `callback.<name>` (or its `part`), rank 0's copy unless `per_rank`.
 """
 
 from __future__ import annotations

@@ -3,18 +3,12 @@
     result = run_diagnostics(model, val_batches, device, DiagConfig(...), step, reduce_fn=all_reduce_)
     result.alarms(), result.scalars(), result.to_dict()      # diagnostics_report.py
 
-Per batch, three forwards: real media (with q/k captured in every layer), blanked media
-(terms.blank_media) and, with `mismatch`, each document's media swapped for another document's
-of the same kind and grid (evaluate.mismatch_media); losses are summed on the trained tokens of
-the media tasks. The attention statistics recompute at most `max_rows` text rows per batch (text
-tokens of media tasks after a visual token of their document, trained, evenly spaced) with each
-layer's own mask (models.attention.stats, shared with the attention-map tool); the expert load
-and router entropy per modality come from the forward; the effective ranks (Roy & Vetterli 2007)
-from the Gram matrix of the mean-pooled visual embeddings per kind, uncentred and centred.
-Everything is a float64 sum in one flat vector, so one `reduce_fn` combines data-parallel ranks
-exactly; every rank must pass the same number of batches (the forwards are collective). The
-pointing game (pointing.py) runs on `grounding`. `model` is called as it is (DDP/FSDP or not);
-the config comes from `raw_model`. Memory: one batch's q and k of every layer are held at once.
+Per batch: forwards with real media (q/k captured in every layer), blanked and (`mismatch`) swapped
+media (evaluate.mismatch_media) for the gaps; attention statistics on <= `max_rows` text rows with each
+layer's mask (models.attention.stats); expert load, router entropy, effective ranks of the visual
+embeddings; the pointing game (pointing.py) on `grounding`. All is one flat float64 sum vector: one
+`reduce_fn` combines ranks exactly; every rank must pass as many batches (the forwards are collective).
+`model` is called as is (DDP/FSDP or not; config from `raw_model`); one batch's q/k of all layers are held.
 
 Legend: B rows, S tokens, D decoder dim, E routed experts, L decoder layers, M media, Q merged
 visual tokens, H heads, R text rows.

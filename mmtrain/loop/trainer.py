@@ -1,9 +1,8 @@
 """The training loop: data -> model -> per-modality losses -> AdamW, with eval and checkpoints.
 
-The trainer is the loop and little else. What it checkpoints is a dict of named Stateful parts
-(`parts()`; mmtrain/state/train_state.py saves and loads them); what it does besides stepping --
-collapse diagnostics, throughput/MFU logging, curriculum stages, the captioning eval, fault
-injection, and any user callback -- are callbacks (mmtrain/callbacks.py) it calls at fixed points:
+The trainer is the loop and little else: the losses are the objective's (mmtrain/objectives/objective.py),
+the checkpoint is its named Stateful parts (`parts()`, mmtrain/state/train_state.py), and everything
+besides stepping is a callback (mmtrain/callbacks.py) called at fixed points:
 
     fit:  resume (in __init__) -> eval -> on_train_start
           each step: train_step (on_loss per micro-batch) -> log -> on_step_end
@@ -11,13 +10,9 @@ injection, and any user callback -- are callbacks (mmtrain/callbacks.py) it call
                      (train.async_save: written in the background, committed at a later step)
           after the last step (or the time limit): eval -> checkpoint -> on_train_end(summary)
 
-One process, or one rank of a torchrun job: parallelism is applied from outside the model
-(mmtrain/parallel/parallelize.py), the process group comes from mmtrain/parallel/distributed.py.
-
-The loss of a micro-batch and every term in it are the objective's (mmtrain/objectives/objective.py): the
-loop asks it for this rank's share, runs backward on share x world size (FSDP/DDP average
-gradients), and every rank takes the same decisions (skip a non-finite step, stop at the time
-limit) from the step's all-reduced sums.
+One process or one torchrun rank (parallelism applied from outside: mmtrain/parallel/parallelize.py).
+Backward runs on this rank's loss share x world size (FSDP/DDP average gradients); every rank takes
+the same decisions (skip a non-finite step, stop at the time limit) from the step's all-reduced sums.
 """
 
 from __future__ import annotations

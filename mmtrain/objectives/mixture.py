@@ -1,25 +1,17 @@
 """The reliance-driven mixture controller (`data.mix.controller`), as a callback.
 
-Loss weights cannot stop modality collapse under a text-heavy mix (docs/EXPERIMENTS.md): the media
-tasks' losses are per-token means already, and the bottleneck is how few media documents a step
-sees. So this controller acts on what the model is fed. At every diagnostics run it reads each
-media task's reliance gap (by default the *mismatch* gap: loss with another document's real media
-minus with its own -- in distribution, unlike blanking) and, per media task:
+At every diagnostics run it reads each media task's gap (`signal`, by default the mismatch gap) and,
+per media task (why the feed and not the loss weights: ARCHITECTURE, "Objectives, balancing, diagnostics"):
 
     gap < low_gap, or fell by more than `fall` since the last check  ->  boost *= up (<= max_boost)
     gap > high_gap                                                   ->  boost -> 1 by `relax`
     otherwise                                                        ->  unchanged
 
-A source's weight is its configured weight times the boost of the task it feeds (`tasks`); the
-document shares are then clipped to `min_share`/`max_share`, and while the run's realised
-media-task token share is above `max_media_share` no boost rises and every boost shrinks by `up`.
-The new weights go to the train loader (`Trainer.set_train_weights`), which re-starts its workers
-from the consumed batches' states, so nothing is lost or repeated.
-
-Every input is the same on every rank (all-reduced diagnostics sums and step token counts), so
-every rank takes the same decision. The boosts, the previous gaps and the token counters are the
-callback's state (`callback.mix`, replicated); loading it re-applies the weights before the data
-position loads, so a resumed run continues bit-identically.
+A source's weight is its configured weight times its task's boost (`tasks`), the document shares
+clipped to `min_share`/`max_share`; while the run's media-task token share is above `max_media_share`
+no boost rises and every boost shrinks by `up`. Weights go to `Trainer.set_train_weights`. Inputs are
+all-reduced (every rank decides alike); boosts, previous gaps and token counters are the replicated
+part `callback.mix`, re-applied before the data position loads, so resume is bit-identical.
 """
 
 from __future__ import annotations

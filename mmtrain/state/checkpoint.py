@@ -1,33 +1,18 @@
 """Atomic, reshardable checkpoints in the run directory, and loading them outside training.
 
-Layout of `RUN/step_<N>/` (see docs/DISTRIBUTED.md):
+`RUN/step_<N>/` (docs/DISTRIBUTED.md; what the parts are: mmtrain/state/train_state.py):
 
-    dcp/            torch.distributed.checkpoint: model + optimizer, each rank its shards;
-                    loads at any world size (resharding)
-    state.pt        rank 0: the replicated parts (train counters and eval history, scheduler,
-                    balancer, stateful callbacks), world size, config
-    rank_<r>.pt     rank r: its per-rank parts (data-loader state with its corrupt-sample
-                    ledger, RNG states)
-    config.yaml     the resolved run config
-    tokenizer.json  a copy, so a checkpoint is usable without the corpus
+    dcp/            torch.distributed.checkpoint: model + optimizer, each rank its shards (reshardable)
+    state.pt        rank 0: the replicated parts, world size, config
+    rank_<r>.pt     rank r: its per-rank parts (loader state with its ledger, RNG states)
+    config.yaml     the resolved run config; tokenizer.json, a copy
     manifest.json   size and SHA-256 of every file above, written last (mmtrain/state/manifest.py)
 
-What the parts are and how they load is mmtrain/state/train_state.py's business; this module writes
-and reads the files. Every rank writes into the hidden `RUN/.step_<N>.tmp/`; after a barrier
-rank 0 renames it to `step_<N>` (a re-save of the same step swaps through `.step_<N>.old`). A
-crash at any point leaves the previous checkpoint as the newest complete one; resume takes the
-newest one that verifies against its manifest (`newest_valid`). Only the last K are kept. Every
-`torch.load` is `weights_only=True`: the files hold tensors and plain Python data only.
-
-`save_async` (train.async_save) is the same save in two halves: at the step, DCP stages the
-sharded state into CPU memory and the other parts are serialised (all of it as of that step);
-DCP's thread and ours then write the files and hash them while training goes on. `poll`, called
-by every rank at step boundaries, commits (manifest, rename, prune) once all ranks' writes are
-done, by their gathered flags. Until then the save is only `.step_<N>.tmp`: a kill loses it and
-nothing before it.
-
-An export (`mmtrain export`) holds `model.safetensors` + `config.yaml` + `tokenizer.json`;
-`load_for_inference` reads both kinds (and the single-file `state.pt` checkpoints of before).
+Written into `RUN/.step_<N>.tmp/`, renamed by rank 0 after a barrier, the last `keep_last` kept;
+resume takes the newest that verifies (`newest_valid`); every `torch.load` is `weights_only=True`.
+`save_async` stages at the step and writes in the background; `poll` (every rank, at step
+boundaries) commits once all ranks' writes are done. `load_for_inference` reads a checkpoint, an
+export (`mmtrain export`: model.safetensors, config.yaml, tokenizer.json) or an old single-file one.
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
 """A checkpoint is a dict of named Stateful parts; this module names them and says where each lives.
 
-Every part has `state_dict()` / `load_state_dict()` (torch's `Stateful` protocol, as in
-torchtitan's CheckpointManager); saving and loading iterate the parts and never reach into the
-trainer. The trainer lists its parts in `Trainer.parts()`; there are three kinds:
+Each part has `state_dict()` / `load_state_dict()` (torch's `Stateful`); save and load iterate
+`Trainer.parts()` and never reach into the trainer. Three kinds:
 
-    sharded     model, optim            through torch.distributed.checkpoint (DCP):
-                                        get/set_{model,optimizer}_state_dict give fully-qualified
-                                        names and FSDP2's DTensor shards, so DCP reshards on load
-    replicated  train, scheduler,       the same on every rank: rank 0 writes them to state.pt
-                balancer, callback.<n>  (a mixture controller would be one more, by name)
-    per_rank    data, rng               rank_<r>.pt: the loader's position with its corrupt-sample
-                                        ledger, and the RNG states differ per rank
+    sharded     model, optim                               DCP (get/set_{model,optimizer}_state_dict)
+    replicated  train, scheduler, balancer, callback.<n>   rank 0's state.pt (the same on every rank)
+    per_rank    data, rng                                  rank_<r>.pt (loader position + ledger, RNG)
 
-Load order: sharded, then replicated (in the trainer's order), then per-rank. The order matters
-once: the curriculum (`callback.curriculum`, replicated) rebuilds the train loader of its stage
-before the loader's position is loaded into it, so the `data` part looks the loader up at call
-time (`LoaderPart`).
-
-On disk (FORMAT 3) state.pt is `{"format", "world_size", "config", <replicated part>: state, ...}`
-and rank_<r>.pt is `{"rank", <per-rank part>: state, ...}`: one top-level key per part, readable
-with `torch.load(..., weights_only=True)`. A checkpoint lacking a `callback.*` part (the callback is
-new) leaves that callback as built; lacking any other part is an error. Parts nobody claims (a
-callback since removed) are ignored. Both are named in the resume note. Format 2 (the counters,
-eval and diagnostics history flat in state.pt) is converted on read; format 1 (everything in
-state.pt) loads in one process.
-
-At another world size the data position cannot be resumed exactly (each rank reads another share
-of the shards): every source restarts at its next epoch past what any rank had read, and rank 0
-inherits the union of the ledgers (`LoaderPart.load_resharded`); a rank that had no saved RNG
-state keeps its own. Per-rank parts without `load_resharded` take their own rank's saved state.
+Load order: sharded, replicated (the trainer's order), per-rank (the curriculum rebuilds its loader
+before `LoaderPart` loads into it). FORMAT 3: state.pt `{"format", "world_size", "config", <part>:
+state, ...}`, rank_<r>.pt `{"rank", <part>: state, ...}`; `torch.load(..., weights_only=True)` reads
+both. A missing `callback.*` part leaves it as built, any other missing part is an error, unclaimed
+ones are ignored; format 2 is converted on read, format 1 loads in one process. At another world
+size a per-rank part's `load_resharded` takes over (ARCHITECTURE, "Distributed training and checkpoints").
 """
 
 from __future__ import annotations
