@@ -40,15 +40,18 @@ class AttentionConfig:
     gather_checkpoint_mib: float = 256.0
     full_tile: int = 64  # query tokens per tile of a full layer's gather path (it has no blocks)
     sdpa_group: int = 256  # sdpa: documents up to this long are grouped into masked calls (sdpa.py)
-    # gather's tile attention: "sdpa" = one fused SDPA call per chunk of tiles with the tile's rule
-    # as a mask; "eager" = matmul + masked softmax + matmul (the reference).
-    gather_kernel: Literal["sdpa", "eager"] = "sdpa"
+    # gather's tile attention: "sdpa" = fused: on CPU the tile kernel (tiles.py) for sparse layers
+    # with blocks of >= 32 tokens, else one SDPA call per chunk of tiles with the rule as a mask
+    # (small tiles: fewer, larger calls); "tiles" / "batched" = one of the two always; "eager" =
+    # matmul + masked softmax + matmul (the reference).
+    gather_kernel: Literal["sdpa", "tiles", "batched", "eager"] = "sdpa"
 
     def __post_init__(self) -> None:
         check(self, "backend", choices=backend_choices())
         check(self, "select_per", choices=("head", "kv_group"))
         check(self, "select", choices=("token", "block"))
-        check(self, "dense_impl", "gather_kernel", choices=("sdpa", "eager"))
+        check(self, "dense_impl", choices=("sdpa", "eager"))
+        check(self, "gather_kernel", choices=("sdpa", "tiles", "batched", "eager"))
         check(self, "block_size", "full_tile", "gather_chunk", ge=1)
         check(self, "window", "top_k", "sdpa_group", ge=0)  # sdpa_group 0: no grouping
         check(self, "gather_checkpoint_mib", ge=0)

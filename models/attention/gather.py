@@ -6,7 +6,8 @@ sparse layers the block rule, `blocks.kept`) applied inside them, and a softmax 
 keys gives the output, in chunks of tiles to bound the transient memory.
   * sparse layers run on the aligned layout (meta.py): tiles are document blocks, the lists come
     from `blocks.sparse_lists`; on CPU the fused kernel is tiles.py (no mask where every key is
-    visible, its own backward); elsewhere, or with gather_kernel "eager", the chunks below;
+    visible, its own backward) for blocks of >= TILE_MIN_BLOCK tokens; elsewhere, or with small
+    blocks, the chunks below (one fused masked call per chunk, or "eager");
   * full layers run on the row layout in tiles of cfg.full_tile tokens: a tile visits the range
     of tiles its tokens can reach (`blocks.full_intervals`), generated per chunk.
 With `gather_checkpoint` the chunks below are recomputed in backward once a layer's gathered
@@ -136,6 +137,16 @@ def attend_gather_sparse(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: A
     return from_aligned(out_BHLD, meta).to(q_BHSD.dtype)
 
 
+TILE_MIN_BLOCK = 32  # below, a (row, head) call of 32 tiles is too small: one batched call per chunk
+
+
+def tile_kernel(cfg: AttentionConfig, q: Tensor) -> bool:
+    """Whether a sparse layer runs the CPU tile kernel (tiles.py)."""
+    if q.device.type != "cpu":
+        return False
+    return cfg.gather_kernel == "tiles" or (cfg.gather_kernel == "sdpa" and cfg.block_size >= TILE_MIN_BLOCK)
+
+
 def _tile_setup(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
                 sel: Selection):
     """The CPU tile kernel's inputs for a whole layer: q, k, v aligned, the chunk plans, G."""
@@ -153,7 +164,7 @@ def saved_forward(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta
                   sel: Selection) -> tuple[Tensor, Tensor] | None:
     """A sparse layer's (out (B, H, S, D), lse (B, H, S)) by the CPU tile kernel, for a backward
     that does not replay it (the compiled op, opaque.py); None where that kernel does not run."""
-    if cfg.gather_kernel != "sdpa" or q_BHSD.device.type != "cpu":
+    if not tile_kernel(cfg, q_BHSD):
         return None
     *qkv, plans, G = _tile_setup(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
     out_BHLD, lse_BHL1 = tiles_forward(*qkv, plans, G, cfg.block_size, 1 / math.sqrt(q_BHSD.shape[-1]))
@@ -165,7 +176,7 @@ def saved_backward(grad_BHSD: Tensor, q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Te
                    ) -> tuple[Tensor, Tensor, Tensor] | None:
     """(dq, dk, dv) from `saved_forward`'s output and lse (to_aligned's inverse is from_aligned:
     every token has one slot; empty slots get zero queries and gradients)."""
-    if cfg.gather_kernel != "sdpa" or q_BHSD.device.type != "cpu":
+    if not tile_kernel(cfg, q_BHSD):
         return None
     *qkv, plans, G = _tile_setup(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
     saved = (to_aligned(t, meta) for t in (grad_BHSD, out_BHSD, lse_BHS[..., None]))
@@ -187,7 +198,7 @@ def sparse_tiles(q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, meta: AttnMeta,
     A, Bs, T = lay.aligned_blocks, cfg.block_size, lists_BGAT.shape[-1]
     doc_BXb = torch.cat([lay.doc_BL, meta.null.expand(B, Bs)], 1).view(B, A + 1, Bs)
     skey_BXb = torch.cat([lay.skey_BL, lay.skey_BL.new_full((B, Bs), -(2**50))], 1).view(B, A + 1, Bs)
-    if cfg.gather_kernel == "sdpa" and q_BHYD.device.type == "cpu":  # tiles.py: no mask where none is needed
+    if tile_kernel(cfg, q_BHYD):  # tiles.py: no mask where none is needed
         plans = plan_chunks(meta, cfg, sel, lists_BGAT, t0, P // Bs, doc_BXb, skey_BXb, D)
         return tile_attention(q_BHYD, k_BKLD, v_BKLD, plans, G, Bs, 1 / math.sqrt(D))
 
@@ -199,7 +210,7 @@ def sparse_tiles(q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, meta: AttnMeta,
     k_BGXbD, v_BGXbD = _kv_blocks(k_BKLD, G, Bs), _kv_blocks(v_BKLD, G, Bs)
     C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
     ckpt = _wants_ckpt(cfg, q_BGYMD, T, Bs, *qkv)
-    out = _run(q_BGYMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, C, ckpt, lists, cfg.gather_kernel == "sdpa", t0)
+    out = _run(q_BGYMD, k_BGXbD, v_BGXbD, doc_BXb, skey_BXb, C, ckpt, lists, cfg.gather_kernel != "eager", t0)
     return _untile(out, H, Bs)
 
 
@@ -231,7 +242,7 @@ def attend_gather_full(q_BHsD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: Att
 
     C = _chunk_size(cfg.gather_chunk, B, H, Bs, T)
     ckpt = _wants_ckpt(cfg, q_BKYMD, T, Bs, q_BHsD, k_BKSD, v_BKSD)
-    fused = cfg.gather_kernel == "sdpa"
+    fused = cfg.gather_kernel != "eager"
     out_BKYMD = _run(q_BKYMD, k_BKXbD, v_BKXbD, doc_BXb, skey_BXb, C, ckpt, lists, fused, t0)
     return _untile(out_BKYMD, H, Bs)[:, :, :s].to(q_BHsD.dtype)
 

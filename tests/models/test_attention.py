@@ -46,7 +46,7 @@ def test_gather_matches_dense(seed, sparse, select_per, H, K):
     ref = run(q, k, v, meta, AttentionConfig(backend="dense", dense_impl="eager", **common), sparse, w)
     gcfg = AttentionConfig(backend="gather", gather_chunk=random.randint(1, 6),
                            full_tile=random.choice([3, 8, 64]),
-                           gather_kernel=random.choice(["sdpa", "eager"]),
+                           gather_kernel=random.choice(["sdpa", "tiles", "batched", "eager"]),
                            gather_checkpoint=random.random() < 0.5,
                            gather_checkpoint_mib=random.choice([0.0, 1024.0]), **common)
     for name, a, b in zip(("out", "dq", "dk", "dv"), run(q, k, v, meta, gcfg, sparse, w), ref):

@@ -147,7 +147,7 @@ def test_compiled_sparse_backward_runs_from_the_saved_lse(monkeypatch, seed):
     forward = tiles.tiles_forward
     for module in (gather, tiles):  # gather's saved_forward and the eager TileAttention
         monkeypatch.setattr(module, "tiles_forward", lambda *a: calls.append(1) or forward(*a))
-    cfg = AttentionConfig(block_size=4, window=8, top_k=2)
+    cfg = AttentionConfig(block_size=4, window=8, top_k=2, gather_kernel="tiles")
     meta = build_meta(*random_ids(2, 64, 4), 4)
     q, k, v = random_qkv(2, 4, 2, 64, 8)
     w = torch.randn(2, 4, 64, 8)
