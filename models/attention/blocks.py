@@ -136,6 +136,16 @@ def full_intervals(meta: AttnMeta, tile: int) -> tuple[Tensor, Tensor]:
     return meta.cache[key]
 
 
+def block_tables(meta: AttnMeta, Bs: int) -> tuple[Tensor, Tensor]:
+    """(B, A + 1, Bs) document and span key of every aligned slot in blocks, the null block last
+    (a document no query has, keys no query matches): what `tile_mask` looks up."""
+    lay = meta.aligned()
+    B, A = meta.batch, lay.aligned_blocks
+    doc_BXb = torch.cat([lay.doc_BL, meta.null.expand(B, Bs)], 1).view(B, A + 1, Bs)
+    skey_BXb = torch.cat([lay.skey_BL, lay.skey_BL.new_full((B, Bs), -(2**50))], 1).view(B, A + 1, Bs)
+    return doc_BXb, skey_BXb
+
+
 def tile_mask(idx_BGCT: Tensor, doc_BXb: Tensor, skey_BXb: Tensor, pos_Xb: Tensor, c0: int,
               keep_BGCbT: Tensor | None) -> Tensor:
     """(B, G, C, Bs, T * Bs) the token rule of tiles c0 .. c0 + C over their listed blocks (null-block

@@ -10,7 +10,7 @@ trainer's implementation lives in mmtrain/parallel/context_parallel.py):
     the group, give every rank the whole row's block means; each rank selects for its own query
     tokens with exactly the single-process rule, then fetches only the K/V rows of the blocks its
     tiles keep and it does not hold (one uneven all-to-all), so traffic follows what is kept.
-    The fetched blocks fill an aligned K/V buffer whose other slots stay zero and are never read.
+    The fetched blocks fill an aligned K/V buffer whose other slots stay zero and are never attended.
 The result for a query token is the single-process one: the same keys, the same rule, the same
 picks. Tokens of a tile that belong to another rank ride along with zero queries and are dropped.
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .blocks import full_intervals, sparse_lists, tile_keep, tile_mask
+from .blocks import block_tables, full_intervals, sparse_lists, tile_keep, tile_mask
 from .config import AttentionConfig
 from .meta import AttnMeta
 from .opaque import attend_sparse_opaque
@@ -150,12 +150,8 @@ def tile_kernel(cfg: AttentionConfig, q: Tensor) -> bool:
 def _tile_setup(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
                 sel: Selection):
     """The CPU tile kernel's inputs for a whole layer: q, k, v aligned, the chunk plans, G."""
-    lay, Bs = meta.aligned(), cfg.block_size
-    B, A = meta.batch, lay.aligned_blocks
     lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
-    doc_BXb = torch.cat([lay.doc_BL, meta.null.expand(B, Bs)], 1).view(B, A + 1, Bs)
-    skey_BXb = torch.cat([lay.skey_BL, lay.skey_BL.new_full((B, Bs), -(2**50))], 1).view(B, A + 1, Bs)
-    plans = plan_chunks(meta, cfg, sel, lists_BGAT, 0, A, doc_BXb, skey_BXb, q_BHSD.shape[-1])
+    plans = plan_chunks(meta, cfg, sel, lists_BGAT, 0, meta.aligned().aligned_blocks, q_BHSD.shape[-1])
     qkv = unit_stride(*(to_aligned(t, meta) for t in (q_BHSD, k_BKSD, v_BKSD)))
     return (*qkv, plans, lists_BGAT.shape[1])
 
@@ -179,6 +175,7 @@ def saved_backward(grad_BHSD: Tensor, q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Te
     if not tile_kernel(cfg, q_BHSD):
         return None
     *qkv, plans, G = _tile_setup(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel)
+    lse_BHS = lse_BHS.to(torch.promote_types(q_BHSD.dtype, torch.float32))  # the op returns float32
     saved = (to_aligned(t, meta) for t in (grad_BHSD, out_BHSD, lse_BHS[..., None]))
     grad_BHLD, out_BHLD, lse_BHL1 = unit_stride(*saved)
     grads = tiles_backward(grad_BHLD, *qkv, out_BHLD, lse_BHL1, plans, G, cfg.block_size,
@@ -192,15 +189,12 @@ def sparse_tiles(q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, meta: AttnMeta,
     keys and values in aligned slots (B, K, L, D), each tile visiting its list; -> like q.
     `qkv`: the layer's inputs, whose grad decides the chunk checkpointing. The whole layer's tiles
     in one process (t0 = 0), a context-parallel rank's own otherwise (context.py)."""
-    lay = meta.aligned()
     B, H, P, D = q_BHYD.shape
-    G = lists_BGAT.shape[1]
-    A, Bs, T = lay.aligned_blocks, cfg.block_size, lists_BGAT.shape[-1]
-    doc_BXb = torch.cat([lay.doc_BL, meta.null.expand(B, Bs)], 1).view(B, A + 1, Bs)
-    skey_BXb = torch.cat([lay.skey_BL, lay.skey_BL.new_full((B, Bs), -(2**50))], 1).view(B, A + 1, Bs)
+    G, T, Bs = lists_BGAT.shape[1], lists_BGAT.shape[-1], cfg.block_size
     if tile_kernel(cfg, q_BHYD):  # tiles.py: no mask where none is needed
-        plans = plan_chunks(meta, cfg, sel, lists_BGAT, t0, P // Bs, doc_BXb, skey_BXb, D)
+        plans = plan_chunks(meta, cfg, sel, lists_BGAT, t0, P // Bs, D)
         return tile_attention(q_BHYD, k_BKLD, v_BKLD, plans, G, Bs, 1 / math.sqrt(D))
+    doc_BXb, skey_BXb = block_tables(meta, Bs)
 
     def lists(c0: int, C: int):
         idx_BGCT = lists_BGAT[:, :, c0:c0 + C]

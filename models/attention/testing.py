@@ -86,3 +86,15 @@ def random_qkv(B, H, K, S, D, dtype=torch.float32, grad=True):
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach(), b.detach()
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+
+
+def saved_bytes(fn):
+    """(bytes autograd saves for backward while fn() runs, fn's result)."""
+    nbytes = []
+
+    def pack(t):
+        nbytes.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(nbytes), out

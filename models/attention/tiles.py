@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import tile_keep, tile_mask, visible_blocks, window_blocks
+from .blocks import block_tables, tile_keep, tile_mask, visible_blocks, window_blocks
 from .config import AttentionConfig
 from .meta import AttnMeta
 from .select import Selection
@@ -99,21 +99,25 @@ def _uneven(visible_BGCT: Tensor) -> bool:
 
 @torch.no_grad()
 def plan_chunks(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, lists_BGAT: Tensor, t0: int, Y: int,
-                doc_BXb: Tensor, skey_BXb: Tensor, D: int) -> list[ChunkPlan]:
+                D: int) -> list[ChunkPlan]:
     """The chunks of the tiles t0 .. t0 + Y: per chunk the visible calls and the masked call."""
     lay = meta.aligned()
     B, G, A, T = lists_BGAT.shape
     Bs = cfg.block_size
+    doc_BXb, skey_BXb = block_tables(meta, Bs)
     C = max(1, min(cfg.gather_chunk, _CHUNK_BYTES // (T * Bs * D * 4)))
     pos_Xb = torch.arange((A + 1) * Bs, device=doc_BXb.device).view(A + 1, Bs)
     plans = []
-    todo = [(c0, min(C, t0 + Y - c0)) for c0 in range(t0, t0 + Y, C)][::-1]
+    todo = [(c0, min(C, t0 + Y - c0), None) for c0 in range(t0, t0 + Y, C)][::-1]
     while todo:
-        c0, n = todo.pop()
+        c0, n, visible_BGCT = todo.pop()
         idx_BGCT = lists_BGAT[:, :, c0:c0 + n]
-        visible_BGCT = visible_blocks(meta, idx_BGCT, c0, tile_keep(meta, cfg, idx_BGCT, c0, sel.picks_BGLk))
+        if visible_BGCT is None:  # per tile: a half's is a slice of its chunk's
+            keep_BGCbT = tile_keep(meta, cfg, idx_BGCT, c0, sel.picks_BGLk)
+            visible_BGCT = visible_blocks(meta, idx_BGCT, c0, keep_BGCbT)
         if n >= 8 and _uneven(visible_BGCT):  # e.g. a document's first tiles: halves waste less
-            todo += [(c0 + n // 2, n - n // 2), (c0, n // 2)]
+            h = n // 2
+            todo += [(c0 + h, n - h, visible_BGCT[:, :, h:]), (c0, h, visible_BGCT[:, :, :h])]
             continue
         vis_BGCF, rest_BGCP = _split(idx_BGCT, visible_BGCT, A)
         parts = _visible_parts(vis_BGCF.flatten(0, 1), window_blocks(cfg))
@@ -217,7 +221,7 @@ def tiles_backward(grad_BHYD: Tensor, q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Te
                    lse_BHY1: Tensor, plans: list[ChunkPlan], G: int, Bs: int, scale: float
                    ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the forward's output and log-sum-exp: the fused backwards alone."""
-    grad_BHYD = grad_BHYD if grad_BHYD.stride(-1) == 1 else grad_BHYD.contiguous()
+    (grad_BHYD,) = unit_stride(grad_BHYD)
     B, H, P, D = q_BHYD.shape
     K, L = k_BKLD.shape[1], k_BKLD.shape[2]
     dq_BHYD = torch.empty_like(q_BHYD, memory_format=torch.contiguous_format)  # every tile: one chunk

@@ -22,7 +22,7 @@ from mmtrain.models.attention.counts import full_counts, sparse_counts
 from mmtrain.models.attention.dense import dense_mask, dense_probs
 from mmtrain.models.attention.flex import attend_flex, full_block_mask, sparse_block_mask
 from mmtrain.models.attention.registry import backend_choices, resolve
-from mmtrain.models.attention.testing import backends_on, random_batch, random_qkv, rel_err
+from mmtrain.models.attention.testing import backends_on, random_batch, random_qkv, rel_err, saved_bytes
 
 
 def run(q, k, v, meta, cfg, sparse, w):
@@ -68,14 +68,7 @@ def test_gather_checkpoint_threshold_trades_saved_bytes_not_results(seed, sparse
     for mib in (0.0, 1024.0):
         cfg = AttentionConfig(backend="gather", block_size=Bs, window=16, top_k=2, gather_checkpoint_mib=mib,
                               gather_kernel=kernel)
-        nbytes = []
-
-        def pack(t, nbytes=nbytes):
-            nbytes.append(t.numel() * t.element_size())
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = attend(q, k, v, meta, cfg, sparse)
-        saved[mib] = sum(nbytes)
+        saved[mib], out = saved_bytes(lambda cfg=cfg: attend(q, k, v, meta, cfg, sparse))
         results[mib] = (out, *torch.autograd.grad((out * w).sum(), (q, k, v)))
     assert saved[0.0] < saved[1024.0], saved
     for a, b in zip(results[0.0], results[1024.0]):

@@ -15,7 +15,7 @@ import torch
 
 from mmtrain.models.attention import AttentionConfig, attend, build_meta, select_blocks
 from mmtrain.models.attention.blocks import sparse_lists
-from mmtrain.models.attention.testing import random_batch, random_qkv, rel_err
+from mmtrain.models.attention.testing import random_batch, random_qkv, rel_err, saved_bytes
 from mmtrain.models.attention.tiles import plan_chunks
 
 Tensor = torch.Tensor
@@ -43,12 +43,8 @@ def _kinds(meta, cfg, q, k) -> set[str]:
     """The calls the kernel plans for these inputs."""
     sel = select_blocks(q, k, meta, cfg)
     lists_BGAT = sparse_lists(meta, cfg, sel.picks_BGLk, sel.block_picks_BGAk)
-    lay, Bs = meta.aligned(), cfg.block_size
-    A, B = lay.aligned_blocks, meta.batch
-    doc_BXb = torch.cat([lay.doc_BL, meta.null.expand(B, Bs)], 1).view(B, A + 1, Bs)
-    skey_BXb = torch.cat([lay.skey_BL, lay.skey_BL.new_full((B, Bs), -(2**50))], 1).view(B, A + 1, Bs)
     kinds = set()
-    for plan in plan_chunks(meta, cfg, sel, lists_BGAT, 0, A, doc_BXb, skey_BXb, q.shape[-1]):
+    for plan in plan_chunks(meta, cfg, sel, lists_BGAT, 0, meta.aligned().aligned_blocks, q.shape[-1]):
         for p in plan.parts:
             kinds.add("causal" if p.causal else "masked" if p.mask_nCbJ is not None
                       else "sliding" if p.first_n is not None else "gathered")
@@ -98,13 +94,6 @@ def test_saves_no_gathered_tiles(seed):
     for kernel in ("tiles", "eager"):
         cfg = AttentionConfig(backend="gather", block_size=Bs, window=4 * Bs, top_k=4, gather_kernel=kernel,
                               gather_checkpoint=False)
-        nbytes = []
-
-        def pack(t, nbytes=nbytes):
-            nbytes.append(t.numel() * t.element_size())
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            attend(q, k, v, meta, cfg, sparse=True)
-        saved[kernel] = sum(nbytes)
+        saved[kernel] = saved_bytes(lambda cfg=cfg: attend(q, k, v, meta, cfg, sparse=True))[0]
     inputs_and_out = 2 * q.numel() * 4 + 2 * k.numel() * 4  # q, out, k, v
     assert saved["tiles"] <= 3 * inputs_and_out < saved["eager"], (saved, inputs_and_out)
