@@ -138,7 +138,8 @@ def test_eager_and_compiled_run_the_same_backend(monkeypatch, seed, sparse):
     assert eager_ran == ["gather"]  # the split documents' fallback (and sparse layers' backend)
 
 
-def test_compiled_sparse_backward_runs_from_the_saved_lse(monkeypatch, seed):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_sparse_backward_runs_from_the_saved_lse(monkeypatch, seed, dtype):
     """Under compile the sparse op returns its log-sum-exp and its backward runs the fused backward
     from it: one tile forward per step, not two, and the eager gradients."""
     from mmtrain.models.attention import gather, tiles
@@ -149,8 +150,8 @@ def test_compiled_sparse_backward_runs_from_the_saved_lse(monkeypatch, seed):
         monkeypatch.setattr(module, "tiles_forward", lambda *a: calls.append(1) or forward(*a))
     cfg = AttentionConfig(block_size=4, window=8, top_k=2, gather_kernel="tiles")
     meta = build_meta(*random_ids(2, 64, 4), 4)
-    q, k, v = random_qkv(2, 4, 2, 64, 8)
-    w = torch.randn(2, 4, 64, 8)
+    q, k, v = random_qkv(2, 4, 2, 64, 8, dtype=dtype)
+    w = torch.randn(2, 4, 64, 8, dtype=dtype)
     eager = torch.autograd.grad((attend(q, k, v, meta, cfg, sparse=True) * w).sum(), (q, k, v))
     assert len(calls) == 1
     calls.clear()
