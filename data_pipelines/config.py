@@ -77,6 +77,7 @@ class MixControllerConfig:
     up: float = 1.5  # boost factor per low check
     relax: float = 0.5  # share of the boost's excess over 1 removed per healthy check
     max_boost: float = 8.0  # a source's weight is at most this multiple of its configured weight
+    initial_boost: float = 1.0  # every task's boost at step 0 (> 1: start media-heavy, release later)
     min_share: dict[str, float] = field(default_factory=dict)  # source -> floor of its document share
     max_share: dict[str, float] = field(default_factory=dict)  # source -> ceiling of its document share
     max_media_share: float = 1.0  # cap on the run's realised media-task token share (1: none)
@@ -95,6 +96,9 @@ class MixControllerConfig:
         check(self, "low_gap", "fall", "warmup_steps", ge=0)
         check(self, "relax", ge=0, le=1)
         check(self, "up", "max_boost", ge=1)
+        if not 1.0 <= self.initial_boost <= self.max_boost:
+            raise ValueError(f"initial_boost: must be in [1, max_boost {self.max_boost}] "
+                             f"(got {self.initial_boost})")
         check(self, "max_media_share", gt=0, le=1)
         if self.high_gap < self.low_gap:
             raise ValueError(f"high_gap: must be >= low_gap {self.low_gap} (got {self.high_gap})")

@@ -41,10 +41,13 @@ class DiagConfig:
     # each with its own caption; 0 = off (corpora without boxes: nothing to score).
     pointing_media: int = 8
     mismatch: bool = True  # the mismatch gap: a third forward per batch with media swapped across documents
+    # Linear probe of the ViT's pooled features over each object's box (colour, shape, size) on this
+    # many val media with boxes, against a raw-pixel ceiling (mmtrain/evaluation/probe.py); 0 = off.
+    probe_media: int = 0
 
     def __post_init__(self) -> None:
         for name, low in (("every", 0), ("batches", 1), ("max_rows", 1), ("warmup_steps", 0),
-                          ("pointing_media", 0)):
+                          ("pointing_media", 0), ("probe_media", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: must be an integer >= {low} (got {value!r})")
@@ -83,6 +86,8 @@ class DiagResult:
     mismatch_loss: dict[str, float] = field(default_factory=dict)  # per-token loss, swapped media
     mismatch_real_loss: dict[str, float] = field(default_factory=dict)  # ... the same tokens, own media
     mismatch_tokens: dict[str, int] = field(default_factory=dict)
+    # probe.py: attribute -> {"vit": held-out accuracy, "pixels": ceiling, "chance": ..., "n": objects}
+    probe: dict[str, dict] = field(default_factory=dict)
     # Wall seconds of this rank's passes, summed over batches: real (forward with captures), stats
     # (attention recompute, experts, embeddings), blank, mismatch (swap + forward), pointing, total.
     seconds: dict[str, float] = field(default_factory=dict)
@@ -183,7 +188,7 @@ class DiagResult:
             "expert_mean_load": {str(k): v for k, v in self.expert_mean_load.items()},
             "router_entropy": {str(k): v for k, v in self.router_entropy.items()},
             "effective_rank": self.effective_rank, "effective_rank_centered": self.effective_rank_centered,
-            "media": self.media, "pointing": self.pointing, "alarms": self.alarms(),
+            "media": self.media, "pointing": self.pointing, "probe": self.probe, "alarms": self.alarms(),
             "config": asdict(self.cfg),
         }
 

@@ -7,8 +7,8 @@ per media task (why the feed and not the loss weights: ARCHITECTURE, "Objectives
     gap > high_gap                                                   ->  boost -> 1 by `relax`
     otherwise                                                        ->  unchanged
 
-A source's weight is its configured weight times its task's boost (`tasks`), the document shares
-clipped to `min_share`/`max_share`; while the run's media-task token share is above `max_media_share`
+Boosts start at `initial_boost` (1: the configured mix). A source's weight is its configured weight
+times its task's boost (`tasks`), the document shares clipped to `min_share`/`max_share`; while the run's media-task token share is above `max_media_share`
 no boost rises and every boost shrinks by `up`. Weights go to `Trainer.set_train_weights`. Inputs are
 all-reduced (every rank decides alike); boosts, previous gaps and token counters are the replicated
 part `callback.mix`, re-applied before the data position loads, so resume is bit-identical.
@@ -63,7 +63,7 @@ class MixController(Callback):
                  use_weights: Callable[[dict[str, float]], bool]):
         self.cfg, self.use_weights = cfg, use_weights
         self.base = {s.name: s.weight for s in sources}  # the configured weights
-        self.boost = dict.fromkeys(sorted(set(cfg.tasks.values())), 1.0)
+        self.boost = dict.fromkeys(sorted(set(cfg.tasks.values())), cfg.initial_boost)
         self.prev_gap: dict[str, float] = {}
         self.tokens = {"media": 0, "all": 0}  # trained tokens since the start (all ranks)
         self.history: list[dict] = []  # one entry per decision: step, gaps, boosts, shares
