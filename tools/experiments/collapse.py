@@ -57,6 +57,16 @@ class Run:
     seed: int
     run_dir: Path
     overrides: list[str]
+    record: Path | None = None  # --records: the finished run's summary, kept where a stop cannot lose it
+
+    def done(self) -> bool:
+        return (self.run_dir / "summary.json").exists() or bool(self.record and self.record.exists())
+
+    def read(self) -> dict:
+        """The run's summary (summarize.read_run), from its record when its directory is gone."""
+        if self.record and self.record.exists() and not (self.run_dir / "summary.json").exists():
+            return json.loads(self.record.read_text(encoding="utf-8"))
+        return read_run(self.run_dir)
 
 
 def load_experiment(path: Path) -> Experiment:
@@ -83,7 +93,8 @@ def load_experiment(path: Path) -> Experiment:
                       float(raw.get("collapse_gap", 0.05)), dict(raw.get("notes") or {}), common)
 
 
-def plan_runs(exp: Experiment, out: Path, arms: list[str], seeds: list[int], extra: list[str]) -> list[Run]:
+def plan_runs(exp: Experiment, out: Path, arms: list[str], seeds: list[int], extra: list[str],
+              records: Path | None = None) -> list[Run]:
     """Every (arm, seed), its overrides checked now: a typo fails before anything trains."""
     runs = []
     for arm in arms:
@@ -94,15 +105,16 @@ def plan_runs(exp: Experiment, out: Path, arms: list[str], seeds: list[int], ext
             overrides = [*exp.common, *exp.arms[arm], f"train.seed={seed}", f"data.seed={seed}", *extra,
                          f"run_dir={run_dir}"]
             load_config(RunConfig, exp.base, overrides)
-            runs.append(Run(arm, seed, run_dir, overrides))
+            record = records / arm / f"seed{seed}.json" if records else None
+            runs.append(Run(arm, seed, run_dir, overrides, record))
     return runs
 
 
 def attn_one(run: Run, n_docs: int, threads: int) -> int:
     """The attention-map CLI's val report on the run's final checkpoint -> RUN/attn/metrics.json."""
     out = run.run_dir / "attn"
-    if (out / "metrics.json").exists():
-        return 0
+    if (out / "metrics.json").exists() or not (run.run_dir / "summary.json").exists():
+        return 0  # cached, or only its record is left
     summary = json.loads((run.run_dir / "summary.json").read_text(encoding="utf-8"))
     cmd = [sys.executable, "-m", "mmtrain.attention_maps.cli", "--ckpt", summary["checkpoint"],
            "--from-val", str(n_docs), "--out", str(out), "--threads", str(threads)]
@@ -111,8 +123,7 @@ def attn_one(run: Run, n_docs: int, threads: int) -> int:
 
 
 def run_one(run: Run, base: Path, threads: int, force: bool) -> tuple[Run, float, int]:
-    summary = run.run_dir / "summary.json"
-    if summary.exists() and not force:
+    if run.done() and not force:
         return run, 0.0, 0
     if run.run_dir.exists():
         shutil.rmtree(run.run_dir)  # a partial run restarts from scratch: same steps for every arm
@@ -123,7 +134,20 @@ def run_one(run: Run, base: Path, threads: int, force: bool) -> tuple[Run, float
     t0 = time.perf_counter()
     with open(run.run_dir / "stdout.log", "w", encoding="utf-8") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-    return run, time.perf_counter() - t0, code
+    seconds = time.perf_counter() - t0
+    if code == 0 and run.record is not None:
+        write_record(run, seconds)
+    return run, seconds, code
+
+
+def write_record(run: Run, seconds: float) -> None:
+    """RECORDS/ARM/seedN.json: read_run's summary, the overrides, the commit and the wall time."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    record = {**read_run(run.run_dir), "overrides": run.overrides, "commit": commit, "wall_s": seconds}
+    run.record.parent.mkdir(parents=True, exist_ok=True)
+    tmp = run.record.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record), encoding="utf-8")
+    tmp.replace(run.record)  # atomic: a stop mid-write leaves no half record
 
 
 def matched_overrides(exp: Experiment, out: Path, arm: str, seeds: str | None) -> list[str]:
@@ -131,10 +155,10 @@ def matched_overrides(exp: Experiment, out: Path, arm: str, seeds: str | None) -
     control for an adaptive mixture (same media documents on average, but not when it chose)."""
     chosen = [int(s) for s in seeds.split(",")] if seeds else exp.seeds
     runs = plan_runs(exp, out, [arm], chosen, [])
-    missing = [str(r.run_dir) for r in runs if not (r.run_dir / "summary.json").exists()]
+    missing = [str(r.run_dir) for r in runs if not r.done()]
     if missing:
         raise UserError(f"--matched {arm}: unfinished runs {missing}")
-    means = [read_run(r.run_dir)["mix_mean"] for r in runs]
+    means = [r.read()["mix_mean"] for r in runs]
     if not all(means):
         raise UserError(f"--matched {arm}: its runs logged no mixture shares (no controller?)")
     shares = {n: sum(m[n] for m in means) / len(means) for n in means[0]}
@@ -156,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a few steps per arm: checks wiring, not results")
     p.add_argument("--force", action="store_true", help="rerun runs that already have a summary")
     p.add_argument("--report", type=Path, help="also copy table.md, results.json and plots here")
+    p.add_argument("--records", type=Path, help="write each finished run's summary to RECORDS/ARM/seedN.json "
+                                                "(a run with a record is done, even if its directory is gone)")
     p.add_argument("--attn", type=int, default=0, metavar="N",
                    help="also run `mmtrain-attn --from-val N` on each run's final checkpoint (its "
                         "pointing game goes into the table; cached in RUN/attn/)")
@@ -177,7 +203,7 @@ def _run(args) -> int:
     arms = args.arms.split(",") if args.arms else list(exp.arms)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else exp.seeds
     extra = (SMOKE if args.smoke else []) + args.extra
-    runs = plan_runs(exp, args.out, arms, seeds, extra)
+    runs = plan_runs(exp, args.out, arms, seeds, extra, args.records)
     print(f"{len(runs)} runs ({len(arms)} arms x {len(seeds)} seeds), {args.jobs} at a time -> {args.out}",
           flush=True)
     t0 = time.perf_counter()

@@ -40,6 +40,10 @@ def read_run(run_dir: Path) -> dict:
         "curve": [(d["step"], d.get("reliance_gap", {})) for d in diags],
         "mismatch_curve": [(d["step"], d["mismatch_gap"]) for d in diags if "mismatch_gap" in d],
         "mismatch_gap": last.get("mismatch_gap", {}),
+        "mismatch_end": end.get("mismatch_gap", {}),  # the final eval's, whole val split (when logged)
+        "probe": last.get("probe") or {},
+        "parts": _parts_curve(steps),
+        "media_tokens_per_step": _per_step(steps.values(), MEDIA_TASKS),
         "pointing": _pointing(last.get("pointing") or {}),
         "pointing_attn": _attn_pointing(run_dir / "attn" / "metrics.json"),
         "media_share": _media_share(steps.values()),
@@ -53,6 +57,19 @@ def read_run(run_dir: Path) -> dict:
         "alarms": sum(len(d.get("alarms", [])) for d in diags),
         "tokens": summary["tokens_seen"], "steps": summary["steps"],
     }
+
+
+def _per_step(records, tasks) -> float | None:
+    """Mean trained tokens of `tasks` per optimizer step."""
+    counts = [r["task_tokens"] for r in records if "task_tokens" in r]
+    return sum(c.get(t, 0) for c in counts for t in tasks) / len(counts) if counts else None
+
+
+def _parts_curve(steps: dict[int, dict]) -> list[dict]:
+    """Per-part gradient norms and update ratios (grad_norm/<part>, update_ratio/<part>) on log steps."""
+    keys = ("grad_norm/", "update_ratio/")
+    return [{"step": s, **{k: v for k, v in r.items() if k.startswith(keys)}}
+            for s, r in sorted(steps.items()) if any(k.startswith(keys) for k in r)]
 
 
 def _mean_of(values) -> float | None:
@@ -113,7 +130,7 @@ def summarize_runs(runs, exp) -> dict:
     by_arm: dict[str, list[dict]] = {}
     per_run = []
     for run in runs:
-        r = read_run(run.run_dir)
+        r = run.read()
         by_arm.setdefault(run.arm, []).append(r)
         per_run.append({"arm": run.arm, "seed": run.seed, **{k: v for k, v in r.items() if k != "curve"}})
     arms = {}
