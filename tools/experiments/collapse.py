@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="rerun runs that already have a summary")
     p.add_argument("--report", type=Path, help="also copy table.md, results.json and plots here")
     p.add_argument("--records", type=Path, help="write each finished run's summary to RECORDS/ARM/seedN.json "
-                                                "(a run with a record is done, even if its directory is gone)")
+                                                "(a run with a record is done, its directory gone or not)")
     p.add_argument("--attn", type=int, default=0, metavar="N",
                    help="also run `mmtrain-attn --from-val N` on each run's final checkpoint (its "
                         "pointing game goes into the table; cached in RUN/attn/)")
