@@ -142,7 +142,9 @@ def run_one(run: Run, base: Path, threads: int, force: bool) -> tuple[Run, float
 
 def write_record(run: Run, seconds: float) -> None:
     """RECORDS/ARM/seedN.json: read_run's summary, the overrides, the commit and the wall time."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    here = Path(__file__).resolve().parent  # the code's checkout, wherever the runs are launched from
+    commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
     record = {**read_run(run.run_dir), "overrides": run.overrides, "commit": commit, "wall_s": seconds}
     run.record.parent.mkdir(parents=True, exist_ok=True)
     tmp = run.record.with_suffix(".tmp")
