@@ -31,6 +31,7 @@ import yaml
 from mmtrain.config import load_config
 from mmtrain.errors import ConfigError, UserError
 from mmtrain.run_config import RunConfig
+from tools.experiments.onset_report import load_pool, onset_summary
 from tools.experiments.summarize import read_run, summarize_runs, write_outputs
 
 DEFAULT = Path("configs/experiments/collapse/experiment.yaml")
@@ -184,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path, help="also copy table.md, results.json and plots here")
     p.add_argument("--records", type=Path, help="write each finished run's summary to RECORDS/ARM/seedN.json "
                                                 "(a run with a record is done, its directory gone or not)")
+    p.add_argument("--onset-ref", metavar="ARM", help="the onset table's reference arm (default: static)")
+    p.add_argument("--pool", action="append", default=[], metavar="RESULTS:ARM[,ARM]",
+                   help="pool these arms' runs of an earlier experiment's results.json into the reference")
     p.add_argument("--attn", type=int, default=0, metavar="N",
                    help="also run `mmtrain-attn --from-val N` on each run's final checkpoint (its "
                         "pointing game goes into the table; cached in RUN/attn/)")
@@ -230,6 +234,10 @@ def _run(args) -> int:
             raise UserError(f"mmtrain-attn failed on {sum(map(bool, codes))} run(s); "
                             f"see {bad.run_dir / 'attn.log'}")
     results = summarize_runs(runs, exp)
+    ref = args.onset_ref or ("static" if "static" in arms else None)
+    if ref:
+        pool = [r for spec in args.pool for r in load_pool(spec)]
+        results["onset"] = onset_summary(results["runs"], exp.collapse_gap, ref, pool)
     results["wall_min"] = (time.perf_counter() - t0) / 60  # of this invocation
     results["trained_now"] = trained  # runs trained by it (the others were already finished)
     results["command"] = "python -m tools.experiments.collapse " + " ".join(sys.argv[1:])

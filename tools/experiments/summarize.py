@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 from mmtrain.data_pipelines.batch import MEDIA_TASKS, TASK_NAMES
+from tools.experiments.onset_report import onset_md, plot_km
 
 SHORT = {"text": "text", "image_text": "image", "video_text": "video"}
 
@@ -210,6 +211,8 @@ def table_md(results: dict) -> str:
             lines.append(f"- `{arm}`: {note}")
     if any(a["media_share"] for a in results["arms"].values()):
         lines += ["", *signals_md(results)]
+    if results.get("onset"):
+        lines += ["", "Onset of reading:", "", *onset_md(results["onset"])]
     return "\n".join(lines) + "\n"
 
 
@@ -344,6 +347,8 @@ def write_outputs(results: dict, out: Path, report: Path | None) -> list[Path]:
     written += [*plot_curves(results, out), plot_final(results, out / "final.png")]
     written += plot_curves(results, out, "seed_mismatch", "mismatch gap", "mismatch_gap")
     written += plot_shares(results, out)
+    if results.get("onset"):
+        written.append(plot_km(results["onset"], out / "onset_km.png"))
     if report is not None:
         report.mkdir(parents=True, exist_ok=True)
         for path in written:
