@@ -12,15 +12,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mmtrain.data_pipelines.batch import MEDIA_TASKS, TASK_NAMES, PackedBatch
-from mmtrain.evaluation.evaluate import EvalResult, evaluate
+from mmtrain.data_pipelines.batch import PackedBatch
+from mmtrain.evaluation.evaluate import Autocast, EvalResult, evaluate
 from mmtrain.parallel.distributed import DistEnv, all_reduce
 
 
 def evaluate_ranks(model: nn.Module, batches: list[PackedBatch], device: torch.device, env: DistEnv,
                    pad: Callable[[], PackedBatch],
-                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                   ) -> EvalResult:
+                   autocast: Autocast = contextlib.nullcontext) -> EvalResult:
     """`evaluate` over every rank's batches; in one process exactly `evaluate`."""
     if not env.distributed:
         return evaluate(model, batches, device, autocast)
@@ -36,20 +35,6 @@ def pad_to_most(batches: list[PackedBatch], env: DistEnv, device: torch.device,
 
 
 def reduce_result(local: EvalResult, env: DistEnv, device: torch.device) -> EvalResult:
-    """Sum per-task (loss, correct, tokens, blank loss) over ranks and re-form the means."""
-    rows = []
-    for task in TASK_NAMES:
-        n = local.tokens.get(task, 0)
-        rows.append([local.loss.get(task, 0.0) * n, local.accuracy.get(task, 0.0) * n, float(n),
-                     local.blank_loss.get(task, 0.0) * n])
-    totals = all_reduce(torch.tensor(rows, dtype=torch.float64, device=device), env).tolist()
-    out = EvalResult()
-    for task, (loss_sum, correct, n, blank_sum) in zip(TASK_NAMES, totals):
-        if n == 0:
-            continue
-        out.tokens[task] = int(n)
-        out.loss[task] = loss_sum / n
-        out.accuracy[task] = correct / n
-        if task in MEDIA_TASKS:
-            out.blank_loss[task] = blank_sum / n
-    return out
+    """Sum the per-task sums (evaluate.SUMS: losses, correct, tokens; blanked and mismatch losses and
+    tokens) over ranks and re-form the means."""
+    return EvalResult.from_sums(all_reduce(local.sums_TC().to(device), env).cpu())

@@ -1,5 +1,6 @@
-"""The end-of-run tables: per-modality loss at the start and the end, and the reliance gaps; the
-captioning eval's attribute accuracies (when it ran)."""
+"""The end-of-run tables: per-modality loss at the start and the end, whether the text reads the pixels
+(the mismatch gap, the verdict) beside the blanked reliance gap; the captioning eval's attribute
+accuracies (when it ran)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,33 @@ from rich.table import Table
 
 from mmtrain.data_pipelines.batch import TASK_NAMES
 
+SUMMARY_CAPTION = (
+    "reads pixels (the verdict): mismatch gap, val loss with each document's media swapped for another "
+    "document's minus with its own, on the swapped documents' tokens (nats; ~0: the text ignores the "
+    "pixels). "
+    "blanked gap: val loss with media set to flat grey minus with real media (out of distribution)")
+
 
 def summary_table(summary: dict) -> Table:
     start, end = summary["start"], summary["end"]
     weights = summary.get("weights") or {}
     table = Table(title=f"{summary['run_dir']}: step {start['step']} -> {end['step']} (val split); "
                         f"balancer {summary.get('balancer', 'static')}")
-    for col in ("modality", "loss start", "loss end", "acc end", "gap start", "gap end", "weight end"):
+    for col in ("modality", "loss start", "loss end", "acc end", "reads pixels start", "reads pixels end",
+                "blanked gap start", "blanked gap end", "weight end"):
         table.add_column(col, justify="left" if col == "modality" else "right", no_wrap=col == "modality")
-    table.caption = "gap: reliance gap, val loss with media blanked minus with real media (nats)"
+    table.caption = SUMMARY_CAPTION
     for task in TASK_NAMES:
         if task not in end["loss"]:
             continue
-        gap_s, gap_e = start["reliance_gap"].get(task), end["reliance_gap"].get(task)
+        gaps = [record.get(key, {}).get(task) for key in ("mismatch_gap", "reliance_gap")
+                for record in (start, end)]
         table.add_row(
             task,
             f"{start['loss'].get(task, float('nan')):.3f}",
             f"{end['loss'][task]:.3f}",
             f"{end['accuracy'][task]:.1%}",
-            "-" if gap_s is None else f"{gap_s:+.3f}",
-            "-" if gap_e is None else f"{gap_e:+.3f}",
+            *("-" if gap is None else f"{gap:+.3f}" for gap in gaps),
             f"{weights[task]:.2f}" if task in weights else "-",
         )
     return table
