@@ -1,9 +1,10 @@
 """What a diagnostics run reports: its config (thresholds), the result, its scalars and alarms.
 
-`DiagResult` holds per media task the loss with real, blanked and swapped media (the reliance and
-mismatch gaps), per layer and task the text->visual attention mass, entropy and sink mass, per MoE
-layer the expert load and router entropy per modality, the effective ranks of the pooled visual
-embeddings per kind, and the pointing game; `scalars()` is the TensorBoard view, `alarms()` one
+`DiagResult` holds per media task the loss with real, blanked and swapped media (the blanked reliance
+gap, out of distribution, and the mismatch gap, the in-distribution verdict on reading the pixels),
+per layer and task the text->visual attention mass, entropy and sink mass, per MoE layer the expert
+load and router entropy per modality, the effective ranks of the pooled visual embeddings per kind,
+the pointing game and the probe; `scalars()` is the TensorBoard view, `alarms()` one
 line per signal past its `DiagConfig` threshold (none before `warmup_steps`), `to_dict()` the
 JSON line of the run's history. How they are measured: mmtrain/evaluation/diagnostics.py.
 
@@ -32,7 +33,8 @@ class DiagConfig:
     batches: int = 2  # the first val batches are used, the same ones every time
     max_rows: int = 256  # text query rows recomputed per batch (evenly spaced): bounds the cost
     warmup_steps: int = 100  # no alarms before this step
-    min_reliance_gap: float = 0.02  # nats per token
+    min_mismatch_gap: float = 0.02  # nats per token: the verdict on reading the pixels (with `mismatch`)
+    min_reliance_gap: float = 0.02  # nats per token, blanked media: only for tasks without a mismatch gap
     min_attention_mass: float = 0.02  # text->visual mass, mean over layers
     min_effective_rank: float = 2.0
     max_expert_load_ratio: float = 4.0  # max / mean expert load within one modality and MoE layer
@@ -51,8 +53,8 @@ class DiagConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: must be an integer >= {low} (got {value!r})")
-        for name in ("min_reliance_gap", "min_attention_mass", "min_effective_rank", "max_expert_load_ratio",
-                     "min_router_entropy"):
+        for name in ("min_mismatch_gap", "min_reliance_gap", "min_attention_mass", "min_effective_rank",
+                     "max_expert_load_ratio", "min_router_entropy"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{name}: must be a finite number (got {value!r})")
@@ -140,11 +142,7 @@ class DiagResult:
         cfg, step = cfg or self.cfg, self.step if step is None else step
         if step < cfg.warmup_steps:
             return []
-        out = []
-        for task, gap in self.reliance_gap.items():
-            if gap < cfg.min_reliance_gap:
-                out.append(f"reliance gap {task} {gap:+.4f} < {cfg.min_reliance_gap:g}: "
-                           f"text ignores the pixels")
+        out = self._reading_alarms(cfg)
         for task in self.attention:
             mass = self.layer_mean(task, "mass")
             if mass is not None and mass < cfg.min_attention_mass:
@@ -159,6 +157,21 @@ class DiagResult:
                            f"pooled visual embeddings collapsed")
         for layer in self.expert_load:
             out.extend(self._expert_alarms(cfg, layer))
+        return out
+
+    def _reading_alarms(self, cfg: DiagConfig) -> list[str]:
+        """Whether the text reads the pixels: judged by the mismatch gap (in distribution) where it was
+        measured; the blanked gap (out of distribution) only for tasks without one (mismatch off, or
+        no document got a foreign medium)."""
+        out, mismatch = [], self.mismatch_gap
+        for task, gap in mismatch.items():
+            if gap < cfg.min_mismatch_gap:
+                out.append(f"mismatch gap {task} {gap:+.4f} < {cfg.min_mismatch_gap:g}: text ignores the "
+                           f"pixels (other documents' media do as well as its own)")
+        for task, gap in self.reliance_gap.items():
+            if task not in mismatch and gap < cfg.min_reliance_gap:
+                out.append(f"reliance gap {task} {gap:+.4f} < {cfg.min_reliance_gap:g} (blanked media, "
+                           f"out of distribution; no mismatch gap): text ignores the pixels")
         return out
 
     def _expert_alarms(self, cfg: DiagConfig, layer: int) -> list[str]:

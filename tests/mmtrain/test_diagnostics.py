@@ -179,7 +179,8 @@ def test_alarms_fire_past_thresholds_and_not_before_warmup():
                     effective_rank_centered={"image": 1.2})
     alarms = sick.alarms()
     assert len(alarms) == 5, alarms
-    assert alarms[0] == "reliance gap image_text +0.0040 < 0.02: text ignores the pixels"
+    assert alarms[0] == ("reliance gap image_text +0.0040 < 0.02 (blanked media, out of distribution; "
+                         "no mismatch gap): text ignores the pixels")
     for words in ("attention mass image_text 0.0150", "effective rank image 1.20", "expert load image L1",
                   "router entropy text L1"):
         assert any(a.startswith(words) for a in alarms), (words, alarms)
@@ -193,6 +194,22 @@ def test_alarms_fire_past_thresholds_and_not_before_warmup():
     assert _healthy(expert_load_max_ratio={1: [1.0, 9.0, None]}, expert_mean_load={1: [100.0, 3.0, 0.0]}
                     ).alarms() == []
     assert _healthy(effective_rank_centered={"image": 1.5}, media={"image": 3}).alarms() == []
+
+
+def test_reading_is_judged_by_the_mismatch_gap_where_it_was_measured():
+    """A high blanked gap does not hide a low mismatch gap, nor a low blanked gap a high one; the
+    blanked gap judges only a task without a mismatch gap (mismatch off, or nothing swapped)."""
+    swapped = {"mismatch_real_loss": {"image_text": 2.0}, "mismatch_tokens": {"image_text": 40}}
+    grey_spike = _healthy(blank_loss={"image_text": 3.0}, mismatch_loss={"image_text": 2.01}, **swapped)
+    assert grey_spike.alarms() == ["mismatch gap image_text +0.0100 < 0.02: text ignores the pixels "
+                                   "(other documents' media do as well as its own)"]
+    assert grey_spike.alarms(DiagConfig(min_mismatch_gap=0.005)) == []
+    reads = _healthy(blank_loss={"image_text": 2.001}, mismatch_loss={"image_text": 2.3}, **swapped)
+    assert reads.alarms() == []
+    video_unswapped = _healthy(loss={"image_text": 2.0, "video_text": 2.0}, mismatch_loss={"image_text": 2.3},
+                               blank_loss={"image_text": 2.001, "video_text": 2.001}, **swapped)
+    assert [a.split(" (")[0] for a in video_unswapped.alarms()] == ["reliance gap video_text +0.0010 < 0.02"]
+    assert "out of distribution" in video_unswapped.alarms()[0]
 
 
 def test_scalars_and_history_of_a_real_run(make_config, tmp_path):
@@ -247,7 +264,7 @@ def _close(a, b) -> bool:
 @pytest.mark.parametrize("field, value", [
     ("every", -1), ("batches", 0), ("max_rows", 0), ("warmup_steps", -5), ("every", 1.5),
     ("min_attention_mass", 1.5), ("max_expert_load_ratio", 0.5), ("min_router_entropy", -0.1),
-    ("min_effective_rank", float("nan")), ("min_reliance_gap", "high"),
+    ("min_effective_rank", float("nan")), ("min_reliance_gap", "high"), ("min_mismatch_gap", float("inf")),
 ])
 def test_config_is_validated(field, value):
     with pytest.raises(ValueError, match=f"^{field}: must be"):

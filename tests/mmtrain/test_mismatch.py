@@ -246,9 +246,11 @@ def test_switching_mismatch_off_changes_no_other_signal(tiny):
     assert off.mismatch_gap == {} and "mismatch" not in off.seconds and on.seconds["mismatch"] > 0
     a, b = on.to_dict(), off.to_dict()
     for key in ("mismatch_gap", "mismatch_loss", "mismatch_real_loss", "mismatch_tokens", "seconds",
-                "config"):
+                "config", "alarms"):  # alarms: reading is judged by the mismatch gap when there is one
         a.pop(key), b.pop(key)
     assert a == b
+    assert not any(alarm.startswith("reliance gap") for alarm in on.alarms())
+    assert not any(alarm.startswith("mismatch gap") for alarm in off.alarms())
 
 
 def test_history_and_scalars_carry_the_mismatch_gap(tiny):
