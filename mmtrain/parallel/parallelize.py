@@ -178,14 +178,27 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     params = [p for p in model.parameters() if p.grad is not None]
     if not any(isinstance(p.grad, DTensor) for p in params):
         return float(torch.nn.utils.clip_grad_norm_(params, clip))
-    groups: dict = {}
-    for p in params:
-        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    norms = [_full(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)) for group in groups.values()]
-    total = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
-    for group in groups.values():
+    total = global_norm([p.grad for p in params])
+    for group in _by_mesh(params, lambda p: p.grad).values():
         torch.nn.utils.clip_grads_with_norm_(group, clip, total)
     return float(total)
+
+
+def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of `tensors` (plain, or DTensors on any meshes) over all shards on all ranks: the norm
+    per mesh, the squares summed. A collective for DTensors: every rank calls it alike."""
+    if not tensors:
+        return torch.zeros(())
+    norms = [_full(torch.nn.utils.get_total_norm(group, 2.0)) for group in _by_mesh(tensors).values()]
+    return norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
+
+
+def _by_mesh(items: list, tensor=lambda t: t) -> dict:
+    """`items` grouped by the device mesh of `tensor(item)` (None: a plain tensor), in first-seen order."""
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(getattr(tensor(item), "device_mesh", None), []).append(item)
+    return groups
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:
