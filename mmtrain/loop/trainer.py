@@ -40,6 +40,7 @@ from mmtrain.evaluation.diagnostics_callback import Diagnostics
 from mmtrain.evaluation.dist_eval import evaluate_ranks
 from mmtrain.evaluation.evaluate import EvalResult
 from mmtrain.loop.faults import FaultInjection, faults_configured
+from mmtrain.loop.grad_parts import GradParts
 from mmtrain.loop.logger import RunLogger
 from mmtrain.loop.perf import Throughput, peak_tflops
 from mmtrain.objectives.balance import build_balancer
@@ -85,6 +86,7 @@ class Trainer:
         self.context = context_shard(self.dims, self.device, cfg.data.seq_len, self.traffic)  # or None
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
+        self.grad_parts = GradParts(self.raw_model)  # per-part norms of a log step
         self.balancer = build_balancer(cfg.loss.balancer, {t: getattr(cfg.loss, t) for t in TASK_NAMES})
         self.state = TrainState()
         self.use_train_data(stage_data(cfg.data, cfg.train.stages, 0))
@@ -264,6 +266,9 @@ class Trainer:
             sums.loss += float(loss.detach()) / accum
         self.objective.end_backward()
         scale_expert_grads(self.raw_model, self.dims)
+        due = (self.step + 1) % self.cfg.train.log_every == 0  # a log step (see is_log_step)
+        if due:
+            self.grad_parts.measure_grads()  # before clipping
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         sums.nonfinite = float(not (math.isfinite(sums.loss) and math.isfinite(grad_norm)))
         limit = self.cfg.train.time_limit_min
@@ -273,7 +278,8 @@ class Trainer:
         if skipped:
             self._skip_step()
         else:
-            self.optimizer.step()
+            with self.grad_parts.measure_update(due):
+                self.optimizer.step()
             self.scheduler.step()
             self._after_optimizer_step()
         self.state.step += 1
@@ -340,17 +346,19 @@ class Trainer:
     def _log_step(self, s: StepStats) -> None:
         """metrics.jsonl and the progress line every step; TensorBoard's train/* on log steps."""
         weights, lr = self.balancer.weights(), self.scheduler.get_last_lr()[0]
+        parts = self.grad_parts.pop()  # grad_norm/*, update_ratio/*: log steps only
         self.log.progress(self.step, self._progress_line(s, weights))
         self.log.record({"step": self.step, "loss": s.loss, "task_loss": s.task_loss, "task_acc": s.task_acc,
                          "weights": weights, **s.terms, "grad_norm": s.grad_norm,
                          "lr": lr, "skipped": s.skipped, "tokens": s.tokens, "step_s": s.step_s,
                          "wait_s": s.data_wait_s, "task_tokens": s.task_tokens,
-                         **({"mix": self._mix.weights()} if self._mix is not None else {}), **s.figures})
+                         **({"mix": self._mix.weights()} if self._mix is not None else {}), **s.figures,
+                         **parts})
         if s.skipped:
             self.log.info(f"step {self.step}: non-finite loss or gradient, update skipped "
                           f"({self.state.consecutive_skips} in a row, {self.state.skipped_steps} in all)")
         if self.is_log_step(s):
-            self.log.scalars(self.step, self._train_scalars(s, weights, lr))
+            self.log.scalars(self.step, {**self._train_scalars(s, weights, lr), **parts})
 
     def _log_callback_scalars(self, s: StepStats) -> None:
         """The callbacks' TensorBoard scalars of a log step (`on_log`), after every on_step_end."""

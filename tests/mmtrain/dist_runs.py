@@ -121,15 +121,17 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
     dims = trainer.dims  # the rows of this rank's data-parallel slot
     mine = [split_rows(next(it), dims.dp_rank, dims.dp_size) for _ in range(steps * accum)]
     moes = trainer.raw_model.moe_layers().values()
-    stats, bias = [], []  # the balancing bias moves by the all-reduced expert loads of each step
+    stats, bias, parts = [], [], []  # the balancing bias moves by the all-reduced expert loads of each step
     for i in range(steps):
         stats.append(trainer.train_step(iter(mine[i * accum:(i + 1) * accum])))
         bias.append([m.router.expert_bias_E.tolist() for m in moes])
+        parts.append(trainer.grad_parts.pop())  # log_every=1: grad_norm/*, update_ratio/*
     if env.is_main:
         Path(out).write_text(json.dumps({"loss": [s.loss for s in stats],
                                          "grad_norm": [s.grad_norm for s in stats],
                                          "tokens": [s.tokens for s in stats], "expert_bias": bias,
-                                         "traffic": trainer.traffic.sent}))  # all steps (no fit)
+                                         "traffic": trainer.traffic.sent,  # all steps (no fit)
+                                         "parts": parts}))
     if env.distributed:
         shutdown()
         exit_now(0)
