@@ -1,12 +1,14 @@
 """The optimizer: fused AdamW (the fast path on CPU and CUDA) against the multi-tensor reference
-on fresh random parameters and gradients; weight decay only on matrices."""
+on fresh random parameters and gradients; weight decay only on matrices; the ViT's own lr and decay
+(`optim.vision_lr_mult` / `vision_weight_decay`), and nothing changed at their defaults."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from mmtrain.optim import OptimConfig, build_optimizer
+from mmtrain.optim import OptimConfig, build_optimizer, build_scheduler, param_part
 from tools.bench import bench_optim
 
 
@@ -41,3 +43,84 @@ def test_bench_optim_reports_both_kernels(capsys):
     assert "| fused |" in out and "| foreach |" in out
     diff = float(out.rsplit(":", 1)[1])
     assert diff < 1e-5
+
+
+# ----- optim.vision_lr_mult / vision_weight_decay, param_part ------------------------------------
+def _toy() -> nn.Module:
+    """The model's layout in small: the ViT (`vision.*`), its projector, the decoder."""
+    vision = nn.Module()
+    vision.blocks = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6))
+    vision.projector = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8))
+    model = nn.Module()
+    model.vision, model.decoder = vision, nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    return model
+
+
+def _previous_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """build_optimizer as it was before the ViT's own groups."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
+
+
+def _groups(opt) -> list[tuple[list[int], float, float]]:
+    return [([id(p) for p in g["params"]], g["lr"], g["weight_decay"]) for g in opt.param_groups]
+
+
+def _train(model: nn.Module, opt, grads: list[list[torch.Tensor]] | None = None) -> None:
+    """Four scheduled steps on `grads` (one list per step; default: fresh random ones)."""
+    sched = build_scheduler(opt, 10, OptimConfig())
+    for step in range(4):
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.randn_like(p) if grads is None else grads[step][i].clone()
+        opt.step()
+        sched.step()
+
+
+def test_param_part_strips_wrapper_prefixes():
+    assert param_part("vision.blocks.0._orig_mod.attn.qkv.weight") == "vision"
+    assert param_part("module._orig_mod.vision.projector.fc1.weight") == "projector"
+    assert param_part("_checkpoint_wrapped_module.vision.patch_embed.weight") == "vision"
+    assert param_part("decoder.layers.0.attn.wq.weight") == "decoder"
+    assert param_part("visionary.weight") == "decoder"
+
+
+def test_default_groups_are_the_previous_two():
+    """Defaults (and an explicit mult 1.0): the two groups and state layout of before the option."""
+    model, cfg = _toy(), OptimConfig()
+    old = _previous_optimizer(model, cfg)
+    for new in (build_optimizer(model, cfg), build_optimizer(model, OptimConfig(vision_lr_mult=1.0))):
+        assert _groups(new) == _groups(old)
+        assert new.state_dict()["param_groups"] == old.state_dict()["param_groups"]
+
+
+def test_default_training_is_bit_identical_to_the_previous_groups():
+    a, b = _toy(), _toy()
+    b.load_state_dict(a.state_dict())
+    grads = [[torch.randn_like(p) for p in a.parameters()] for _ in range(4)]
+    cfg = OptimConfig()
+    for model, opt in ((a, build_optimizer(a, cfg)), (b, _previous_optimizer(b, cfg))):
+        _train(model, opt, grads)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_vision_lr_mult_zero_freezes_the_vit_but_not_its_projector():
+    model = _toy()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _train(model, build_optimizer(model, OptimConfig(vision_lr_mult=0.0)))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, start[name]) == (param_part(name) == "vision"), name
+
+
+def test_vision_weight_decay_applies_to_vit_matrices_only():
+    model = _toy()
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1, vision_weight_decay=0.3, vision_lr_mult=0.5))
+    settings = {id(p): (g["lr"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
+    lr = OptimConfig().lr
+    for name, p in model.named_parameters():
+        vit = param_part(name) == "vision"
+        want_decay = 0.0 if p.ndim < 2 else 0.3 if vit else 0.1
+        assert settings[id(p)] == pytest.approx((lr * (0.5 if vit else 1.0), want_decay)), name
+    assert len(opt.param_groups) == 4
