@@ -64,6 +64,17 @@ def test_low_or_falling_gap_raises_its_sources_healthy_gap_relaxes_back():
     assert [h["step"] for h in ctl.history] == [50, 100, 150, 200, 250]
 
 
+def test_boosts_start_at_initial_boost_and_relax_towards_one():
+    ctl, applied = _controller(initial_boost=2.0, relax=0.5, high_gap=0.3)
+    assert ctl.boost == {"image_text": 2.0, "video_text": 2.0}
+    w = applied[0]  # what the loader gets before the first step
+    assert w["image"] / w["text"] == pytest.approx(2 * 0.07 / 0.86)
+    assert w["video"] / w["text"] == pytest.approx(2 * 0.04 / 0.86)
+    ctl.decide({"image_text": 0.9, "video_text": 0.9}, step=50)  # healthy: half the excess over 1 goes
+    assert ctl.boost == {"image_text": 1.5, "video_text": 1.5}
+    assert _controller()[0].boost == {"image_text": 1.0, "video_text": 1.0}  # default: the configured mix
+
+
 def test_media_token_cap_stops_raising_and_shrinks_the_boosts():
     ctl, _ = _controller(up=2.0, max_media_share=0.3)
     ctl.decide({"image_text": 0.0, "video_text": 0.0}, step=1)
@@ -89,6 +100,9 @@ def test_config_rejects_what_cannot_work():
         MixControllerConfig(kind="reliance", tasks=TASKS, low_gap=0.5, high_gap=0.1)
     with pytest.raises(ValueError, match="min_share"):
         MixControllerConfig(min_share={"a": 0.7, "b": 0.6})
+    for bad in (0.5, 9.0):  # below 1, above max_boost
+        with pytest.raises(ValueError, match="initial_boost"):
+            MixControllerConfig(kind="reliance", tasks=TASKS, initial_boost=bad, max_boost=8.0)
 
 
 # ----- inside the trainer ---------------------------------------------------------------------
