@@ -323,13 +323,15 @@ class Trainer:
         return self._val_cache
 
     def evaluate(self) -> EvalResult:
-        """Per-task val loss with real and blanked media; callbacks add to the record (on_eval)."""
+        """Per-task val loss with real, blanked and swapped media; callbacks add to the record (on_eval)."""
         result = evaluate_ranks(self.model, self.val_batches(), self.device, self.env, pad=self.pad_batch,
                                 autocast=self.autocast)
         self.log.scalars(self.step, result.scalars())
         parts = [f"{t} {v:.3f}" for t, v in result.loss.items()]
-        gaps = [f"{t} {v:+.3f}" for t, v in result.reliance_gap.items()]
-        self.log.info(f"eval @ {self.step}: loss {', '.join(parts)} | reliance gap {', '.join(gaps)}")
+        reads = [f"{t} {v:+.3f}" for t, v in result.mismatch_gap.items()]
+        blanked = [f"{t} {v:+.3f}" for t, v in result.reliance_gap.items()]
+        self.log.info(f"eval @ {self.step}: loss {', '.join(parts)} | mismatch gap {', '.join(reads) or '-'}"
+                      f" | blanked gap (out of distribution) {', '.join(blanked)}")
         record = {"step": self.step, **result.to_dict()}
         self.callbacks.emit("on_eval", self, record)
         self.state.evals.append(record)
