@@ -6,8 +6,9 @@
 Per batch: forwards with real media (q/k captured in every layer), blanked and (`mismatch`) swapped
 media (evaluate.mismatch_media) for the gaps; attention statistics on <= `max_rows` text rows with each
 layer's mask (models.attention.stats); expert load, router entropy, effective ranks of the visual
-embeddings; the pointing game (pointing.py) on `grounding`. All is one flat float64 sum vector: one
-`reduce_fn` combines ranks exactly; every rank must pass as many batches (the forwards are collective).
+embeddings; the pointing game (pointing.py) on `grounding`; the ViT's linear probe (probe.py) on
+`probe`. All is one flat float64 sum vector: one `reduce_fn` combines ranks exactly; every rank must
+pass as many batches (the forwards are collective).
 `model` is called as is (DDP/FSDP or not; config from `raw_model`); one batch's q/k of all layers are held.
 
 Legend: B rows, S tokens, D decoder dim, E routed experts, L decoder layers, M media, Q merged
@@ -38,6 +39,7 @@ from mmtrain.data_pipelines.batch import (
 from mmtrain.evaluation.diagnostics_report import DiagConfig, DiagResult
 from mmtrain.evaluation.evaluate import mismatch_media
 from mmtrain.evaluation.pointing import GroundingDoc, pointing_scores
+from mmtrain.evaluation.probe import ProbeMedium, probe_scores
 from mmtrain.frozen import frozen_state
 from mmtrain.models.attention import AttentionConfig, build_meta, even_subset, row_stats, text_rows
 from mmtrain.objectives.terms import blank_media, task_losses
@@ -105,18 +107,20 @@ def run_diagnostics(model: nn.Module, batches: Iterable[PackedBatch], device: to
                     cfg: DiagConfig, step: int,
                     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                     reduce_fn: Callable[[Tensor], None] | None = None, raw_model: nn.Module | None = None,
-                    grounding: list[GroundingDoc] | None = None) -> DiagResult:
+                    grounding: list[GroundingDoc] | None = None,
+                    probe: list[ProbeMedium] | None = None) -> DiagResult:
     """Collapse signals on the first cfg.batches of `batches`; training state is left untouched
     (eval mode inside, module modes and CPU/CUDA RNG restored after, no MoE load accumulated).
 
     reduce_fn: sums a float64 1-D tensor across data-parallel ranks in place (called once).
     grounding: documents with boxes for the pointing game (`pointing.grounding_docs`), the same on
-    every rank (so no reduction)."""
+    every rank (so no reduction). probe: val images with boxes for the ViT's linear probe
+    (`probe.probe_media`), likewise the same on every rank."""
     device = torch.device(device)
     raw = raw_model if raw_model is not None else getattr(model, "module", model)
     layout = _Layout.of(raw)
     sums = _Sums(layout.shapes(), device)
-    n_batches, pointing = 0, {}
+    n_batches, pointing, probed = 0, {}, {}
     clock = _Clock(device)
     with frozen_state(model, device):
         for batch in itertools.islice(batches, cfg.batches):
@@ -125,10 +129,13 @@ def run_diagnostics(model: nn.Module, batches: Iterable[PackedBatch], device: to
         if grounding:
             with clock("pointing"):
                 pointing = pointing_scores(model, grounding, device, raw.cfg, autocast)
+        if probe:
+            with clock("probe"):
+                probed = probe_scores(model, probe, device, raw, autocast)
     if reduce_fn is not None:
         reduce_fn(sums.flat)
     result = _result(sums, layout, step, n_batches, cfg)
-    result.pointing = pointing
+    result.pointing, result.probe = pointing, probed
     result.seconds = clock.seconds | {"total": clock.since_start()}
     return result
 

@@ -17,6 +17,7 @@ from mmtrain.callbacks import Callback, StepStats
 from mmtrain.evaluation.diagnostics import DiagConfig, run_diagnostics
 from mmtrain.evaluation.dist_eval import pad_to_most
 from mmtrain.evaluation.pointing import grounding_docs
+from mmtrain.evaluation.probe import probe_media
 from mmtrain.parallel.distributed import all_reduce
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class Diagnostics(Callback):
         self.cfg = cfg
         self.history: list[dict] = []  # DiagResult.to_dict() of each run: step, alarms, signals
         self._grounding: list | None = None  # the pointing game's val documents, read at first use
+        self._probe: list | None = None  # the ViT probe's val images, likewise
 
     def state_dict(self) -> dict:
         return {"history": self.history}
@@ -57,10 +59,12 @@ class Diagnostics(Callback):
         batches = pad_to_most(trainer.val_batches()[:cfg.batches], env, trainer.device, trainer.pad_batch)
         if self._grounding is None:
             self._grounding = grounding_docs(trainer.cfg.data, trainer.tokenizer, cfg.pointing_media)
+        if self._probe is None:
+            self._probe = probe_media(trainer.cfg.data, trainer.tokenizer, cfg.probe_media)
         result = run_diagnostics(trainer.model, batches, trainer.device, cfg, trainer.step,
                                  autocast=trainer.autocast, raw_model=trainer.raw_model,
                                  reduce_fn=(lambda t: all_reduce(t, env)) if env.distributed else None,
-                                 grounding=self._grounding)
+                                 grounding=self._grounding, probe=self._probe)
         self.history.append(result.to_dict())  # with its step and alarms
         self._report(trainer, result)
         trainer.callbacks.emit("on_diagnostics", trainer, result)

@@ -23,6 +23,7 @@ import contextlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -31,13 +32,16 @@ from mmtrain.data_pipelines.config import DataConfig
 from mmtrain.data_pipelines.documents import Document, build_documents, encode
 from mmtrain.data_pipelines.ledger import SkipSample
 from mmtrain.data_pipelines.packing import assemble
+from mmtrain.data_pipelines.shards import RawSample
 from mmtrain.data_pipelines.tokenizer import Tokenizer
+from mmtrain.errors import UserError
 from mmtrain.inference.prompts import iter_val_samples, sample_prompt
 from mmtrain.models.attention import build_meta, recompute_probs
 
 Box = tuple[float, float, float, float]  # [x0, y0, x1, y1] original px, x1/y1 exclusive
 # key.json attribute fields the pointing game scores -> category (British/American spelling)
 CATEGORY = {"color": "colour", "colour": "colour", "shape": "shape", "size": "size"}
+T = TypeVar("T")
 
 
 # ----- geometry ---------------------------------------------------------------------------------
@@ -102,7 +106,8 @@ class GroundingDoc:
     temporal_patch: int
 
 
-def _objects(meta) -> list[tuple[dict[str, str], list[Box]]]:
+def box_objects(meta) -> list[tuple[dict[str, str], list[Box]]]:
+    """key.json's objects as (attribute field -> lower-case value, boxes); [] if any box is unreadable."""
     objs = meta.get("objects") if isinstance(meta, dict) else None
     out = []
     for o in objs if isinstance(objs, list) else []:
@@ -132,7 +137,7 @@ def _word_tokens(tok: Tokenizer, ids: list[int], text: str) -> list[tuple[int, i
 def grounding_doc(name: str, kind: str, segments: list, caption: str, meta, tok: Tokenizer,
                   cfg: DataConfig) -> GroundingDoc | None:
     """One image/video sample with its caption as a training document, with the words to score."""
-    objects = _objects(meta)
+    objects = box_objects(meta)
     if not objects:
         return None
     (doc,) = build_documents(kind, [*segments, caption], tok, cfg)
@@ -152,24 +157,34 @@ def grounding_doc(name: str, kind: str, segments: list, caption: str, meta, tok:
                         [bx for _, bx in objects], cfg.media.temporal_patch) if words else None
 
 
-def grounding_docs(cfg: DataConfig, tok: Tokenizer, n: int, scan: int = 400) -> list[GroundingDoc]:
-    """The first n val images/videos whose key.json has objects with boxes (and a caption)."""
-    out: list[GroundingDoc] = []
+def first_val(cfg: DataConfig, n: int, scan: int, make: Callable[[RawSample], T | None]) -> list[T]:
+    """make(sample) for the first val samples (of the first `scan`) until n are not None; a sample
+    that cannot be used (SkipSample, UserError, ValueError) is passed over."""
+    out: list[T] = []
     if n <= 0 or not cfg.val:
         return out
     for i, (_, raw) in enumerate(iter_val_samples(cfg)):
         if len(out) >= n or i >= scan:
             break
         try:
-            p = sample_prompt(raw, cfg.media)
-            if p.kind not in ("image", "video") or not p.reference:
-                continue
-            d = grounding_doc(raw.key, p.kind, p.segments, p.reference, p.meta, tok, cfg)
-        except (SkipSample, ValueError):
+            item = make(raw)
+        except (SkipSample, UserError, ValueError):
             continue
-        if d is not None:
-            out.append(d)
+        if item is not None:
+            out.append(item)
     return out
+
+
+def grounding_docs(cfg: DataConfig, tok: Tokenizer, n: int, scan: int = 400) -> list[GroundingDoc]:
+    """The first n val images/videos whose key.json has objects with boxes (and a caption)."""
+
+    def make(raw: RawSample) -> GroundingDoc | None:
+        p = sample_prompt(raw, cfg.media)
+        if p.kind not in ("image", "video") or not p.reference:
+            return None
+        return grounding_doc(raw.key, p.kind, p.segments, p.reference, p.meta, tok, cfg)
+
+    return first_val(cfg, n, scan, make)
 
 
 @torch.no_grad()
