@@ -134,6 +134,8 @@ class DiagResult:
         for cat, p in self.pointing.items():
             out[f"{prefix}/pointing_{cat}"] = p["accuracy"]
             out[f"{prefix}/pointing_chance_{cat}"] = p["chance_cell"]
+        for attr, p in self.probe.items():
+            out.update({f"{prefix}/probe_{attr}_{k}": p[k] for k in ("vit", "vit_pre", "pixels", "chance")})
         out[f"{prefix}/alarms"] = float(len(self.alarms()))
         return out
 

@@ -117,3 +117,15 @@ def test_diagnostics_with_the_probe_move_nothing_else(make_config, tmp_path):
     a, b = (json.loads(json.dumps(r.to_dict())) for r in (off, on))
     assert _without(a, "seconds", "config", "probe") == _without(b, "seconds", "config", "probe")
     assert a["probe"] == {} and b["probe"] == on.probe
+    assert not [k for k in off.scalars() if "probe" in k]
+    assert on.scalars()["diag/probe_colour_vit"] == on.probe["colour"]["vit"]
+
+
+def test_a_run_logs_the_probe_only_when_asked(make_config, tmp_path):
+    for n in (0, 3):
+        run = tmp_path / f"run{n}"
+        Trainer(make_config(run, ["train.steps=1", "train.ckpt_every=0", "diagnostics.every=1",
+                                  "diagnostics.batches=1", "diagnostics.pointing_media=0",
+                                  f"diagnostics.probe_media={n}"]), verbose=False).fit()
+        diags = [json.loads(x) for x in (run / "diagnostics.jsonl").read_text().splitlines()]
+        assert [sorted(d["probe"]) for d in diags] == [sorted(ATTRIBUTES) if n else []] * 2
