@@ -129,10 +129,11 @@ def test_two_ranks_run_diagnostics_reliance_guard_and_visual_ssl(make_raw, tmp_p
         "train.steps=4", "train.ckpt_every=0", "diagnostics.every=2", "diagnostics.batches=1",
         "diagnostics.warmup_steps=0", "loss.balancer.kind=reliance_guard", "model.vision.ssl_head=true",
         "loss.visual_ssl.weight=0.5", "captions.images=2", "captions.videos=1", "train.eval_batches=0",
-        *mesh])
+        "diagnostics.probe_media=3", *mesh])
     train(config, 2)
     diags = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
     assert [d["step"] for d in diags] == [0, 2, 4]
+    assert all(set(d["probe"]) == {"colour", "shape", "size"} for d in diags)  # every rank's forward joined
     assert all(set(d["reliance_gap"]) <= {"image_text", "video_text"} for d in diags)
     recs = step_records(run)
     assert all(r["visual_ssl"] is not None for r in recs.values())
