@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.tools.test_collapse_experiment import _experiment
+from tools.experiments import posthoc
 from tools.experiments.collapse import main
 from tools.experiments.onset_report import onset_summary
 from tools.experiments.survival import as_events, km_curve, km_median, log_rank, onset
@@ -76,6 +77,14 @@ def test_onset_arms_run_and_their_records_outlive_the_run_dirs(tmp_path, capsys)
     for arm in ("static", "frozen_vit", "release"):
         record = json.loads((records / arm / "seed0.json").read_text())
         assert record["steps"] == 4 and record["overrides"][-1].startswith("run_dir=")
+    # posthoc adds the final checkpoint's whole-val eval, probe and word classes to each record
+    assert posthoc.main(["--records", str(records), "--runs", str(out), "--media", "2"]) == 0
+    record = json.loads((records / "static" / "seed0.json").read_text())
+    assert set(record["posthoc"]) == {"eval", "probe", "words"}
+    assert record["posthoc"]["eval"]["tokens"]["text"] > 0 and record["posthoc"]["probe"] is not None
+    assert posthoc.main(["--records", str(records), "--runs", str(out), "--media", "2", "--force"]) == 0
+    again = json.loads((records / "static" / "seed0.json").read_text())
+    assert again["posthoc"] == record["posthoc"]  # deterministic: the same checkpoint, the same figures
     shutil.rmtree(out)  # a stop loses the run directories ...
     capsys.readouterr()
     assert main(args) == 0  # ... the records stand in for them: nothing retrains

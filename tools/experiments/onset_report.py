@@ -20,7 +20,11 @@ TASK = "image_text"
 
 
 def final_mismatch(r: dict, task: str = TASK) -> tuple[float | None, str]:
-    """(final mismatch gap, where from: "eval" = whole val split, "diag" = last diagnostics run)."""
+    """(final mismatch gap, where from): "val" = the whole val split (posthoc.py on the final
+    checkpoint), "eval" = the run's own final eval (its train.eval_batches), "diag" = the last
+    diagnostics run (4 fixed batches)."""
+    if (v := ((r.get("posthoc") or {}).get("eval", {}).get("mismatch_gap") or {}).get(task)) is not None:
+        return v, "val"
     if (v := (r.get("mismatch_end") or {}).get(task)) is not None:
         return v, "eval"
     return (r.get("mismatch_gap") or {}).get(task), "diag"
@@ -102,8 +106,8 @@ def onset_md(o: dict) -> list[str]:
                                  f"({ref['seeds']} runs, {ref['started']} started, KM median "
                                  f"{ref['km_median'] if ref['km_median'] is not None else '-'})"
                                  if o["pooled"] else "") +
-              ". Final mismatch: (eval) the final eval on the whole val split, (diag) the last "
-              "diagnostics run."]
+              ". Final mismatch: (val) the whole val split on the final checkpoint (posthoc.py), (eval) "
+              "the run's final eval, (diag) the last diagnostics run."]
     return lines
 
 
