@@ -175,8 +175,18 @@ class Trainer:
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             if type(e).__name__ != "CheckpointException":
                 raise
-            raise UserError(f"{latest}: cannot load checkpoint: {str(e).splitlines()[0]}") from None
+            raise UserError(f"{latest}: cannot load checkpoint: {str(e).splitlines()[0]}"
+                            f"{self._group_hint(latest)}") from None
         return latest
+
+    def _group_hint(self, ckpt: Path) -> str:
+        """Why the optimizer state may not fit: the ViT's own param groups (optim.vision_*) changed."""
+        saved = (yaml.safe_load((ckpt / "config.yaml").read_text(encoding="utf-8")) or {}).get("optim", {})
+        keys = ("vision_lr_mult", "vision_weight_decay")
+        defaults = {"vision_lr_mult": 1.0, "vision_weight_decay": None}
+        changed = [k for k in keys if saved.get(k, defaults[k]) != getattr(self.cfg.optim, k)]
+        return (f" (optim.{' / optim.'.join(changed)} differ from the checkpoint's: they add or remove the "
+                f"ViT's own optimizer groups, so resume with the checkpoint's values)") if changed else ""
 
     def save_checkpoint(self, wait: bool = False) -> Path | None:
         """-> the committed checkpoint; with train.async_save (unless `wait`) None: it is staged now,

@@ -124,3 +124,17 @@ def test_vision_weight_decay_applies_to_vit_matrices_only():
         want_decay = 0.0 if p.ndim < 2 else 0.3 if vit else 0.1
         assert settings[id(p)] == pytest.approx((lr * (0.5 if vit else 1.0), want_decay)), name
     assert len(opt.param_groups) == 4
+
+
+def test_resuming_with_the_vits_own_groups_toggled_says_why(make_config, tmp_path):
+    """The optimizer state of a default run has 2 groups; with optim.vision_lr_mult set it has 4:
+    resuming across the change is refused with the setting named, not a bare DCP error."""
+    from mmtrain.errors import UserError
+    from mmtrain.loop.trainer import Trainer
+
+    run = tmp_path / "run"
+    Trainer(make_config(run, ["train.steps=2", "train.ckpt_every=2"]), verbose=False).fit()
+    with pytest.raises(UserError, match="optim.vision_lr_mult differ"):
+        Trainer(make_config(run, ["train.steps=4", "optim.vision_lr_mult=0.0"]), verbose=False)
+    trainer = Trainer(make_config(run, ["train.steps=4"]), verbose=False)  # the same settings resume
+    assert trainer.step == 2
