@@ -41,11 +41,12 @@ _WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "module", "_fsdp_wrapped
 
 
 def param_part(name: str) -> str:
-    """The part a parameter belongs to: "vision" (the ViT), "projector" (vision -> decoder) or "decoder"."""
+    """The part a parameter belongs to: "vision" (the ViT), "projector" (vision -> decoder, with its
+    output norm) or "decoder"."""
     parts = [p for p in name.split(".") if p not in _WRAPPERS]
     if parts[:1] != ["vision"]:
         return "decoder"
-    return "projector" if parts[1:2] == ["projector"] else "vision"
+    return "projector" if parts[1:2] in (["projector"], ["out_norm"]) else "vision"
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:

@@ -57,6 +57,11 @@ class VisionConfig:
     abs_pos_grid: int = 0
     # Masked-patch reconstruction: a learned mask token and a linear pixel head (`masked_patch_loss`).
     ssl_head: bool = False
+    # RMSNorm on the projector's output: the visual tokens enter the decoder at RMS = its gain (1 at
+    # init). Without it, Adam's lr-sized steps on the projector's small, noisy gradients grow their
+    # norm 100-1000x in a text-heavy run, and the decoder's pre-norms then shrink every gradient into
+    # the vision path by as much (docs/EXPERIMENTS.md, the onset experiment).
+    out_norm: bool = False
 
     def __post_init__(self) -> None:
         check(self, "abs_pos_grid", ge=0)
@@ -162,6 +167,7 @@ class VisionEncoder(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         merged = cfg.dim * cfg.merge ** 2
         self.projector = GeluMLP(merged, merged, out_dim)  # Qwen2-VL-style merger
+        self.out_norm = RMSNorm(out_dim, cfg.norm_eps) if cfg.out_norm else None  # None: state_dict as before
         # None when off: no parameters, so state_dicts (and checkpoints) stay as they were
         self.mask_token = nn.Parameter(torch.empty(cfg.dim)) if cfg.ssl_head else None
         self.ssl_head = nn.Linear(cfg.dim, cfg.patch_dim) if cfg.ssl_head else None
@@ -183,6 +189,8 @@ class VisionEncoder(nn.Module):
         self.norm.reset_parameters()
         nn.init.normal_(self.projector.w_in.weight, std=std)
         nn.init.normal_(self.projector.w_out.weight, std=std)
+        if self.out_norm is not None:
+            self.out_norm.reset_parameters()
         if self.ssl_head is not None:
             nn.init.normal_(self.mask_token, std=std)
             nn.init.normal_(self.ssl_head.weight, std=std)
@@ -268,7 +276,8 @@ class VisionEncoder(nn.Module):
         cfg, N = self.cfg, patches_NP.shape[0]
         x_ND, src_N = self._features(patches_NP, grid_thw_M3)
         x_QD4 = x_ND.index_select(0, src_N).reshape(N // cfg.merge ** 2, cfg.merge ** 2 * cfg.dim)
-        return self.projector(x_QD4)
+        out_QO = self.projector(x_QD4)
+        return out_QO if self.out_norm is None else self.out_norm(out_QO)
 
     def _features(self, patches_NP: Tensor, grid_thw_M3: Tensor,
                   mask_N: Tensor | None = None) -> tuple[Tensor, Tensor]:

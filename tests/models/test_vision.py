@@ -155,3 +155,20 @@ def test_equal_sizes_share_one_unmasked_fused_call(monkeypatch) -> None:
     with torch.no_grad():
         _encoder("sdpa")(patches_NP, grid_M3)
     assert calls == [(3, True), (2, True)] * CFG.depth
+
+
+def test_out_norm_bounds_the_visual_tokens_whatever_the_projector_weights() -> None:
+    """vision.out_norm: every visual token leaves at RMS = the norm's gain, however large the
+    projector's weights grow (they grew 100-1000x in text-heavy runs); off, the state_dict is as before."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    enc = VisionEncoder(dataclasses.replace(CFG, out_norm=True), 48).eval()
+    assert set(_encoder().state_dict()) == set(enc.state_dict()) - {"out_norm.weight"}
+    x_NP, grid = torch.randn(4 * 6, P), torch.tensor([[1, 4, 6]])
+    with torch.no_grad():
+        enc.projector.w_out.weight.mul_(1000.0)
+        rms_Q = enc(x_NP, grid).pow(2).mean(-1).sqrt()
+    torch.testing.assert_close(rms_Q, torch.ones_like(rms_Q), atol=1e-4, rtol=1e-4)
+    enc.out_norm.weight.data.fill_(0.5)  # the gain is the scale
+    torch.testing.assert_close(enc(x_NP, grid).pow(2).mean(-1).sqrt(), 0.5 * rms_Q, atol=1e-4, rtol=1e-4)
