@@ -88,7 +88,7 @@ class _Layout:
         out = {"loss": (len(MEDIA_TASKS), 6),
                "attn": (self.n_layers, len(MEDIA_TASKS), len(ATTN_STATS) + 1),  # + rows
                "gram": (len(MEDIA_KINDS), self.dim, self.dim), "vsum": (len(MEDIA_KINDS), self.dim),
-               "media": (len(MEDIA_KINDS),)}
+               "media": (len(MEDIA_KINDS),), "vnorm": (len(MEDIA_KINDS), 2)}  # token norm sum, tokens
         for layer, groups in self.moe_experts.items():
             out[f"load_{layer}"] = (3, len(groups))
             out[f"rent_{layer}"] = (3, 2)  # entropy x tokens, tokens
@@ -236,7 +236,10 @@ def _add_embeddings(sums: _Sums, batch: PackedBatch, visual_QD: Tensor) -> None:
     pooled_MD = torch.zeros(M, visual_QD.shape[1], dtype=torch.float64, device=visual_QD.device)
     pooled_MD.index_add_(0, medium_Q, visual_QD.double())
     pooled_MD /= torch.bincount(medium_Q, minlength=M).clamp(min=1)[:, None]
+    kind_Q, norm_Q = batch.media_kind_M[medium_Q], visual_QD.double().norm(dim=-1)
     for k, kind in enumerate(MEDIA_KINDS):
+        on_Q = kind_Q == kind
+        sums["vnorm"][k] += torch.stack([norm_Q[on_Q].sum(), on_Q.sum().double()])
         x_KD = pooled_MD[batch.media_kind_M == kind]
         sums["gram"][k] += x_KD.T @ x_KD
         sums["vsum"][k] += x_KD.sum(0)
@@ -288,7 +291,13 @@ def _result(sums: _Sums, layout: _Layout, step: int, n_batches: int, cfg: DiagCo
                       centred, media, n_batches, cfg,
                       mismatch_loss={t: float(loss_T6[j, 4] / loss_T6[j, 5]) for j, t in swapped},
                       mismatch_real_loss={t: float(loss_T6[j, 3] / loss_T6[j, 5]) for j, t in swapped},
-                      mismatch_tokens={t: int(loss_T6[j, 5]) for j, t in swapped})
+                      mismatch_tokens={t: int(loss_T6[j, 5]) for j, t in swapped},
+                      visual_norm=_visual_norm(sums["vnorm"].cpu()))
+
+
+def _visual_norm(vnorm_K2: Tensor) -> dict[str, float]:
+    """Per media kind present: the mean L2 norm of its visual tokens."""
+    return {name: float(s / n) for name, (s, n) in zip(MEDIA_KINDS.values(), vnorm_K2.tolist()) if n > 0}
 
 
 def _ranks(gram_DD: Tensor, sum_D: Tensor, n: int) -> tuple[float | None, float | None]:

@@ -88,6 +88,9 @@ class DiagResult:
     mismatch_loss: dict[str, float] = field(default_factory=dict)  # per-token loss, swapped media
     mismatch_real_loss: dict[str, float] = field(default_factory=dict)  # ... the same tokens, own media
     mismatch_tokens: dict[str, int] = field(default_factory=dict)
+    # Mean L2 norm of the visual tokens entering the decoder, per media kind (text embeddings: ~0.3 at
+    # init in tiny): a blow-up shrinks every gradient into the vision path through the pre-norms.
+    visual_norm: dict[str, float] = field(default_factory=dict)
     # probe.py: attribute -> {"vit": held-out accuracy, "pixels": ceiling, "chance": ..., "n": objects}
     probe: dict[str, dict] = field(default_factory=dict)
     # Wall seconds of this rank's passes, summed over batches: real (forward with captures), stats
@@ -127,6 +130,7 @@ class DiagResult:
                     out[f"{prefix}/router_entropy_{name}_L{layer}"] = ent
                 if (ratio := self.expert_load_max_ratio[layer][m]) is not None:
                     out[f"{prefix}/expert_load_max_ratio_{name}_L{layer}"] = ratio
+        out.update({f"{prefix}/visual_norm_{k}": v for k, v in self.visual_norm.items()})
         ranks = {k: v for k, v in self.effective_rank.items() if v is not None}
         out.update({f"{prefix}/effective_rank_{k}": v for k, v in ranks.items()})
         centred = {k: v for k, v in self.effective_rank_centered.items() if v is not None}
@@ -203,7 +207,8 @@ class DiagResult:
             "expert_mean_load": {str(k): v for k, v in self.expert_mean_load.items()},
             "router_entropy": {str(k): v for k, v in self.router_entropy.items()},
             "effective_rank": self.effective_rank, "effective_rank_centered": self.effective_rank_centered,
-            "media": self.media, "pointing": self.pointing, "probe": self.probe, "alarms": self.alarms(),
+            "media": self.media, "pointing": self.pointing, "probe": self.probe,
+            "visual_norm": self.visual_norm, "alarms": self.alarms(),
             "config": asdict(self.cfg),
         }
 

@@ -155,6 +155,10 @@ def test_effective_rank_of_pooled_embeddings(make_config, tmp_path):
         p = s / s.sum()
         assert ranks["image"] == pytest.approx(float(torch.exp(-(p * p.log()).sum())), rel=1e-4)
     assert 1 <= result.effective_rank["image"] <= result.media["image"]
+    # the visual tokens' mean norm per kind, from the same forward
+    image_Q = batch.media_kind_M[medium_Q] == IMAGE
+    assert result.visual_norm["image"] == pytest.approx(float(visual_QD[image_Q].norm(dim=-1).mean()), rel=1e-6)
+    assert result.scalars()["diag/visual_norm_image"] == result.visual_norm["image"]
 
 
 def _healthy(**changes) -> DiagResult:

@@ -80,7 +80,7 @@ def test_onset_arms_run_and_their_records_outlive_the_run_dirs(tmp_path, capsys)
     # posthoc adds the final checkpoint's whole-val eval, probe and word classes to each record
     assert posthoc.main(["--records", str(records), "--runs", str(out), "--media", "2"]) == 0
     record = json.loads((records / "static" / "seed0.json").read_text())
-    assert set(record["posthoc"]) == {"eval", "probe", "words"}
+    assert set(record["posthoc"]) == {"eval", "probe", "words", "visual_norm", "text_embed_norm"}
     assert record["posthoc"]["eval"]["tokens"]["text"] > 0 and record["posthoc"]["probe"] is not None
     assert posthoc.main(["--records", str(records), "--runs", str(out), "--media", "2", "--force"]) == 0
     again = json.loads((records / "static" / "seed0.json").read_text())

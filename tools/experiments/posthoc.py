@@ -1,9 +1,10 @@
 """Measurements on each finished run's final checkpoint, added to its record (collapse.py --records).
 
 Per run: the held-out eval on the whole val split (its mismatch gap, for runs trained before the
-final eval measured it), the linear probe of the ViT features (mmtrain/evaluation/probe.py) and the
-caption words' accuracy with own vs swapped media per word class (tools/word_probe.py). A record
-that already has them is skipped, so a rerun only measures the new runs.
+final eval measured it), the linear probe of the ViT features (mmtrain/evaluation/probe.py), the
+caption words' accuracy with own vs swapped media per word class (tools/word_probe.py), and the
+visual tokens' mean norm (against the text embeddings'). A record that already has them is
+skipped, so a rerun only measures the new runs.
 
     python -m tools.experiments.posthoc --records docs/experiments/onset/runs --runs runs/onset
 """
@@ -37,7 +38,16 @@ def measure(run_dir: Path, n_media: int) -> dict:
     with torch.no_grad():
         model.eval()
         out["words"] = word_stats(model, batches, word_ids(tok), cfg.model.decoder.vocab_size)
+        out["visual_norm"] = _visual_norm(model, batches)
+        out["text_embed_norm"] = float(model.decoder.embed.weight.norm(dim=-1).mean())
     return out
+
+
+def _visual_norm(model, batches) -> float | None:
+    """Mean L2 norm of the visual tokens the decoder receives, over the val split's media."""
+    norms = [model.vision(b.patches_NP, b.grid_thw_M3).norm(dim=-1)
+             for b in batches if b.grid_thw_M3.shape[0]]
+    return float(torch.cat(norms).mean()) if norms else None
 
 
 def update(record_path: Path, run_dir: Path, n_media: int, force: bool) -> str:
