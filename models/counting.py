@@ -9,6 +9,8 @@ models/attention/counts.py: documents, visual_always and span closures included)
 estimate ~S/2 for a full causal layer, (own + window + sink + top_k) blocks for a sparse one.
 Visual tokens add the vision tower's cost for their merge^2 patches, scaled by the visual
 fraction. Documents shorter than S make full layers cheaper than counted (an upper bound).
+Norms (the vision `out_norm` on the projector's output included) are parameters, not matmuls:
+counted in the totals, their FLOPs left out as negligible.
 The optional visual self-supervised pass (vision `ssl_head`: a second tower pass over the
 masked media) is not counted; its mask token and head count as vision parameters.
 """
@@ -26,7 +28,7 @@ from .moe import MoE
 class ParamCount:
     total: int
     active: int  # per token: routed experts at top_k / n_routed
-    vision: int  # the vision encoder (projector included)
+    vision: int  # the vision encoder (projector and its out_norm included)
     embedding: int  # the token embedding table (also the LM head when tied)
 
     def __str__(self) -> str:

@@ -25,6 +25,7 @@ VISION_DEFAULTS = {
     "qk_norm": True,
     "rms_norm_eps": 1e-6,
     "abs_pos_grid": 0,
+    "out_norm": False,  # RMSNorm on the merger's output (mmtrain's vision.out_norm); absent in older exports
 }
 SPECIAL = ("pad", "bos", "eos", "image_start", "image_end", "image", "video_start", "video_end", "video")
 

@@ -7,6 +7,7 @@ Every tensor is a slice, transpose or copy of one mmtrain tensor, so the round t
   ffn experts w_out_EFD (E, F, D)                 -> mlp.experts.E.down_proj.weight (D, F): transposed
   ffn router weight / expert bias (fp32)          -> mlp.gate.weight / mlp.gate.e_score_correction_bias
   vision.blocks.N.attn.wqkv                       -> model.visual.blocks.N.attn.qkv (fused, as Qwen2-VL's)
+  vision.projector.w_{in,out}, vision.out_norm    -> model.visual.merger.mlp.fc{1,2}, merger.out_norm
 The MoE's names changed when it was split into router / experts modules (`ffn.expert_bias_E` ->
 `ffn.router.expert_bias_E`, `ffn.w_in_EDF2` -> `ffn.experts.w_in_EDF2`): the patterns below read
 both spellings, and `from_hf` writes the one its target state dict uses.
@@ -23,6 +24,7 @@ from collections.abc import Iterable
 import torch
 
 Tensor = torch.Tensor
+OUT_NORM = "vision.out_norm.weight"
 TRAINING_ONLY = ("vision.mask_token", "vision.ssl_head.weight", "vision.ssl_head.bias")
 _SIMPLE = [  # (mmtrain pattern, HF pattern): renamed, same tensor
     (r"decoder\.embed\.weight", "model.language_model.embed_tokens.weight"),
@@ -53,6 +55,7 @@ _SIMPLE = [  # (mmtrain pattern, HF pattern): renamed, same tensor
     (r"vision\.norm\.weight", "model.visual.norm.weight"),
     (r"vision\.projector\.w_in\.weight", "model.visual.merger.mlp.fc1.weight"),
     (r"vision\.projector\.w_out\.weight", "model.visual.merger.mlp.fc2.weight"),
+    (r"vision\.out_norm\.weight", "model.visual.merger.out_norm.weight"),  # vision.out_norm: true only
     (r"vision\.blocks\.(\d+)\.attn_norm\.weight", r"model.visual.blocks.\1.norm1.weight"),
     (r"vision\.blocks\.(\d+)\.mlp_norm\.weight", r"model.visual.blocks.\1.norm2.weight"),
     (r"vision\.blocks\.(\d+)\.attn\.wqkv\.weight", r"model.visual.blocks.\1.attn.qkv.weight"),
@@ -87,6 +90,7 @@ def _rows(hfc: dict, parts: str) -> list[int]:
 
 def to_hf(state: dict[str, Tensor], hfc: dict) -> dict[str, Tensor]:
     """mmtrain names -> HF names (`hfc`: the HF config dict). ValueError names a tensor it cannot place."""
+    _check_out_norm(state, hfc)
     out: dict[str, Tensor] = {}
     for name, t in state.items():
         if name in TRAINING_ONLY or (name == "decoder.lm_head.weight" and hfc.get("tie_word_embeddings")):
@@ -134,6 +138,17 @@ def _rows(hfc: dict, n_parts: int, total: int) -> list[int]:
     E = hfc["hidden_size"] // hfc["num_attention_heads"]
     kv = hfc["num_key_value_heads"] * E
     return [hfc["num_attention_heads"] * E, kv, kv]
+
+
+def _check_out_norm(state: dict[str, Tensor], hfc: dict) -> None:
+    """The config's vision out_norm and the state must agree, else the HF classes would load with the
+    gain unused (or left at 1) and their visual tokens would not be mmtrain's."""
+    has, on = OUT_NORM in state, bool((hfc.get("vision") or {}).get("out_norm"))
+    if has != on:
+        raise ValueError(
+            f"{OUT_NORM}: {'present' if has else 'missing'} but the config's vision.out_norm "
+            f"is {str(on).lower()}"
+        )
 
 
 def _targets(name: str, hfc: dict) -> tuple[str, list[str]]:

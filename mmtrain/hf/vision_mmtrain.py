@@ -6,7 +6,8 @@ pixels), with the grids. Each medium attends only to itself, bidirectionally; po
 RoPE over (t, h, w) inside the medium plus, when `abs_pos_grid` > 0, a learned row + column
 embedding of the patch's relative place in its frame. After the pre-norm blocks and the final
 norm, each merge x merge neighbourhood becomes one token ((i, j) order inside it) and an MLP
-(GELU, tanh) projects it to the decoder width; tokens leave per medium in raster (t, h', w').
+(GELU, tanh) projects it to the decoder width, then (when `out_norm`) an RMSNorm with a learned
+gain (fp32, eps `rms_norm_eps`); tokens leave per medium in raster (t, h', w').
 
 Legend: N patches, P patch dim, D vision dim, O decoder dim, Q = N / merge^2 tokens, E head dim,
 F rotary pairs, H heads, n patches of one medium.
@@ -79,12 +80,14 @@ class PatchEmbed(nn.Module):
 
 
 class Merger(nn.Module):
-    def __init__(self, dim: int, merge: int, out: int) -> None:
+    def __init__(self, dim: int, merge: int, out: int, out_norm: bool = False, eps: float = 1e-6) -> None:
         super().__init__()
         self.mlp = VisionMLP(dim * merge * merge, dim * merge * merge, out)
+        self.out_norm = RMSNorm(out, eps) if out_norm else None  # None: no weight, as exports without it
 
     def forward(self, x_QX: Tensor) -> Tensor:
-        return self.mlp(x_QX)
+        x_QO = self.mlp(x_QX)
+        return x_QO if self.out_norm is None else self.out_norm(x_QO)
 
 
 class MmtrainVision(nn.Module):
@@ -98,7 +101,7 @@ class MmtrainVision(nn.Module):
         self.col_embed = nn.Parameter(torch.zeros(G, D)) if G else None
         self.blocks = nn.ModuleList(VisionBlock(v) for _ in range(v["depth"]))
         self.norm = RMSNorm(D, v["rms_norm_eps"])
-        self.merger = Merger(D, v["spatial_merge_size"], out_dim)
+        self.merger = Merger(D, v["spatial_merge_size"], out_dim, v["out_norm"], v["rms_norm_eps"])
 
     def forward(self, patches_NP: Tensor, grid_M3: Tensor, impl: str) -> Tensor:
         """-> (Q, O) merged tokens, media in input order."""

@@ -92,6 +92,7 @@ def hf_config(cfg: dict, vocab_size: int, special: dict[str, int]) -> dict:
             "qk_norm": vis["qk_norm"],
             "rms_norm_eps": vis["norm_eps"],
             "abs_pos_grid": vis["abs_pos_grid"],
+            "out_norm": vis.get("out_norm", False),  # absent from checkpoints older than the flag
         },
         **{f"{k}_token_id": special[k] for k in SPECIAL_KEYS},
     }

@@ -47,7 +47,9 @@ def model_card(hfc: dict, tensors: dict, src, figures: dict | None) -> str:
         "(an image is one frame repeated), bidirectional attention inside each medium, axial (t, h, w) RoPE"
         + (f" plus a learned {v['abs_pos_grid']}-cell row + column embedding" if v["abs_pos_grid"] else "")
         + f", then each {v['spatial_merge_size']}x{v['spatial_merge_size']} patch neighbourhood -> one "
-        "decoder token (a GELU MLP).",
+        "decoder token (a GELU MLP"
+        + (", then an RMSNorm with a learned gain" if v.get("out_norm") else "")
+        + ").",
         f"- Decoder: {hfc['num_hidden_layers']} pre-norm RMSNorm blocks of width {hfc['hidden_size']}, "
         f"{hfc['num_attention_heads']} query / {hfc['num_key_value_heads']} kv heads, QK-norm "
         f"{hfc['qk_norm']}, "
@@ -71,7 +73,14 @@ def model_card(hfc: dict, tensors: dict, src, figures: dict | None) -> str:
         "the transposed "
         "halves of `w_in_EDF2[E]` (D, 2F) and `down_proj` the transposed `w_out_EFD[E]`; the vision "
         "blocks keep a "
-        "fused `attn.qkv` (rows q | k | v, heads inside each).",
+        "fused `attn.qkv` (rows q | k | v, heads inside each)"
+        + (
+            "; `model.visual.merger.out_norm.weight` is the gain of the RMSNorm on the merger's output "
+            f"(fp32, eps {v['rms_norm_eps']})"
+            if v.get("out_norm")
+            else ""
+        )
+        + ".",
         "- RoPE: rotate-half pairs (feature i with i + head_dim / 2), computed in fp32. Decoder "
         "M-RoPE: one ladder "
         "theta^(-i / F) over the F = head_dim / 2 pairs, cut into contiguous (t, h, w) sections; text has "

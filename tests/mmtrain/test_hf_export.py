@@ -1,8 +1,9 @@
 """`mmtrain export --hf`: a random tiny model (no training) exported once per variant, then loaded by
 transformers and compared with mmtrain itself, fp32 on CPU, offline.
 
-Variants: "block" selection per kv group with sigmoid routing, untied head (one safetensors file);
-"token" selection per head with softmax routing, modality expert groups, tied embeddings (sharded).
+Variants: "block" selection per kv group with sigmoid routing, untied head, the vision out_norm on
+(one safetensors file); "token" selection per head with softmax routing, modality expert groups,
+tied embeddings, no out_norm (sharded).
 Both: sparse layers that really cut blocks (checked), MoE expert biases that are not zero.
 """
 
@@ -36,7 +37,11 @@ from mmtrain.run_config import RunConfig
 transformers = pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"
 VARIANTS = {
-    "block": ["model.decoder.attention.select=block", "model.decoder.moe.score=sigmoid"],
+    "block": [
+        "model.decoder.attention.select=block",
+        "model.decoder.moe.score=sigmoid",
+        "model.vision.out_norm=true",
+    ],
     "token": [
         "model.decoder.attention.select=token",
         "model.decoder.attention.select_per=head",
@@ -169,6 +174,7 @@ def test_weights_round_trip_bit_exact(exported):
     hf = {k: v for f in files for k, v in load_file(f).items()}
     assert any(".mlp.experts.0.gate_proj.weight" in k for k in hf)
     assert any("self_attn.q_proj.weight" in k for k in hf)
+    assert ("model.visual.merger.out_norm.weight" in hf) == (exported["name"] == "block")
     back = from_hf(hf, json.loads((exported["out"] / "config.json").read_text()), exported["state"].keys())
     assert back.keys() == exported["state"].keys()
     for k, v in exported["state"].items():
@@ -184,6 +190,20 @@ def test_transformers_loads_every_weight(exported):
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert type(model).__name__ == "MmtrainForConditionalGeneration"
     assert model.config.image_token_id == exported["m"].tokenizer.special.image_pad
+
+
+def test_an_export_whose_config_predates_out_norm_loads_as_before(exported):
+    """config.json written before the flag existed: no out_norm in `vision`, no gain to load. (The
+    classes already loaded, not a copy of the folder: a second remote-code module would re-register
+    the cache layer types under its own classes for every model in this process.)"""
+    if exported["name"] != "token":
+        pytest.skip("the variant without out_norm")
+    hf = _hf(exported)
+    hfc = json.loads((exported["out"] / "config.json").read_text())
+    assert hfc["vision"].pop("out_norm") is False
+    old = type(hf)(type(hf.config).from_dict(hfc))
+    assert old.config.vision["out_norm"] is False and old.model.visual.merger.out_norm is None
+    old.load_state_dict(hf.state_dict())  # strict: the same weights, none missing or left over
 
 
 @pytest.mark.parametrize("which", [0, 1, 2, 3], ids=["image", "video", "interleaved", "text"])
@@ -407,6 +427,7 @@ def test_model_card_and_configs(exported):
     out = exported["out"]
     card = (out / "README.md").read_text()
     assert "## Weight spec" in card and "Sparse block rule" in card
+    assert ("`model.visual.merger.out_norm.weight`" in card) == (exported["name"] == "block")
     gen = json.loads((out / "generation_config.json").read_text())
     special = exported["m"].tokenizer.special
     assert gen["eos_token_id"] == special.eos and special.eos not in gen["suppress_tokens"]

@@ -166,6 +166,16 @@ def test_param_and_flop_counts_match_a_hand_count() -> None:
     assert model.flops_per_token(S, 0.5, 16) == pytest.approx(text + 0.5 * per_visual, rel=1e-3)
 
 
+def test_vision_out_norm_counts_as_vision_parameters_not_flops() -> None:
+    cfg = _cfg(groups=False)
+    plain = MultimodalModel(cfg)
+    cfg.vision.out_norm = True
+    normed = MultimodalModel(cfg)
+    a, b, D = plain.num_params(), normed.num_params(), cfg.decoder.dim
+    assert (b.total - a.total, b.active - a.active, b.vision - a.vision) == (D, D, D)
+    assert normed.flops_per_token(256, 0.5, 16) == plain.flops_per_token(256, 0.5, 16)
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [
     (dict(vocab_size=0), "vocab_size:"), (dict(layer_layout="FX"), "layer_layout:"),
     (dict(n_kv_heads=3), "n_kv_heads:"), (dict(mrope_sections=(4, 4, 4)), "mrope_sections:"),
