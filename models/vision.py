@@ -62,6 +62,10 @@ class VisionConfig:
     # norm 100-1000x in a text-heavy run, and the decoder's pre-norms then shrink every gradient into
     # the vision path by as much (docs/EXPERIMENTS.md, the onset experiment).
     out_norm: bool = False
+    # ... after subtracting each medium's mean visual token: measured, the projector's output in a
+    # text-heavy run is a constant vector plus a deviation 2-30% of its norm (0.01% under out_norm
+    # alone), so a norm by itself keeps the decoder blind; centred, the deviation is all that is left.
+    out_center: bool = False
 
     def __post_init__(self) -> None:
         check(self, "abs_pos_grid", ge=0)
@@ -71,6 +75,8 @@ class VisionConfig:
                              f"(got dim {self.dim}, n_heads {self.n_heads})")
         check(self, "mlp_ratio", gt=0)
         check(self, "rope_theta", gt=1)
+        if self.out_center and not self.out_norm:
+            raise ValueError("out_center: needs out_norm (centring alone leaves the scale free)")
 
     @property
     def patch_dim(self) -> int:
@@ -277,6 +283,8 @@ class VisionEncoder(nn.Module):
         x_ND, src_N = self._features(patches_NP, grid_thw_M3)
         x_QD4 = x_ND.index_select(0, src_N).reshape(N // cfg.merge ** 2, cfg.merge ** 2 * cfg.dim)
         out_QO = self.projector(x_QD4)
+        if cfg.out_center:
+            out_QO = out_QO - _medium_means(out_QO, grid_thw_M3, cfg.merge)
         return out_QO if self.out_norm is None else self.out_norm(out_QO)
 
     def _features(self, patches_NP: Tensor, grid_thw_M3: Tensor,
@@ -309,3 +317,11 @@ class VisionEncoder(nn.Module):
         for blk in self.blocks:
             x_1ND = blk(x_1ND, cos_11NF, sin_11NF, meta, self.attn_cfg)
         return self.norm(x_1ND[0])
+
+
+def _medium_means(x_QO: Tensor, grid_thw_M3: Tensor, merge: int) -> Tensor:
+    """(Q, O): each merged token's row is its medium's mean token (media contiguous, in input order)."""
+    tokens_M = (grid_thw_M3.prod(-1) // merge ** 2).to(x_QO.device)
+    medium_Q = torch.repeat_interleave(torch.arange(len(tokens_M), device=x_QO.device), tokens_M)
+    sums_MO = x_QO.new_zeros(len(tokens_M), x_QO.shape[1]).index_add_(0, medium_Q, x_QO)
+    return (sums_MO / tokens_M.to(x_QO.dtype)[:, None]).index_select(0, medium_Q)

@@ -172,3 +172,24 @@ def test_out_norm_bounds_the_visual_tokens_whatever_the_projector_weights() -> N
     torch.testing.assert_close(rms_Q, torch.ones_like(rms_Q), atol=1e-4, rtol=1e-4)
     enc.out_norm.weight.data.fill_(0.5)  # the gain is the scale
     torch.testing.assert_close(enc(x_NP, grid).pow(2).mean(-1).sqrt(), 0.5 * rms_Q, atol=1e-4, rtol=1e-4)
+
+
+def test_out_center_removes_each_mediums_constant_and_keeps_media_apart() -> None:
+    """vision.out_center: a constant added to every visual token (what the projector learned in
+    text-heavy runs) leaves no trace; each medium is centred on its own tokens only."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    enc = VisionEncoder(dataclasses.replace(CFG, out_norm=True, out_center=True), 48).eval()
+    a_NP, b_NP = torch.randn(4 * 6, P), torch.randn(4 * 4, P)
+    grid = torch.tensor([[1, 4, 6], [1, 4, 4]])
+    with torch.no_grad():
+        out_QO = enc(torch.cat([a_NP, b_NP]), grid)
+        alone_QO = enc(a_NP, grid[:1])
+        handle = enc.projector.register_forward_hook(lambda m, i, o: o + 10.0 * torch.randn(48))
+        shifted_QO = enc(torch.cat([a_NP, b_NP]), grid)
+        handle.remove()
+    torch.testing.assert_close(out_QO[:6], alone_QO, atol=1e-5, rtol=1e-5)  # no leak across media
+    torch.testing.assert_close(shifted_QO, out_QO, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="out_center: needs out_norm"):
+        VisionConfig(out_center=True)
