@@ -87,15 +87,20 @@ def probe_scores(model: nn.Module, media: list[ProbeMedium], device: torch.devic
     batch = assemble([[m.document] for m in media], S, 0, vision.patch_dim).to(device)
     captured: dict[str, Tensor] = {}
 
-    def hook(_module, args, out_QD):
-        captured["vit_pre"], captured["vit"] = args[0], out_QD
+    def before(_module, args, _out):
+        captured["vit_pre"] = args[0]
 
-    handle = raw_model.vision.projector.register_forward_hook(hook)
+    def after(_module, _args, out_QD):  # the encoder's output (after vision.out_norm, when on)
+        captured["vit"] = out_QD
+
+    handles = [raw_model.vision.projector.register_forward_hook(before),
+               raw_model.vision.register_forward_hook(after)]
     try:
         with autocast():
             model(**batch.model_inputs(), compute_logits=False)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     captured["pixels"] = pixel_features(batch.patches_NP, batch.grid_thw_M3, vision.merge, vision.in_channels)
     return score_features(captured, media)
 

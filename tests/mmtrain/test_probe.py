@@ -52,18 +52,27 @@ def setup(tmp_path_factory, raw_for):
     return {"cfg": cfg, "media": media, "model": MultimodalModel(cfg.model).eval()}
 
 
-class _PixelViT(nn.Module):
-    """A model whose visual tokens are the pixel reference's features: the identity of the pixels."""
+class _PixelVision(nn.Module):
+    """A vision encoder whose tokens are the pixel reference's features: the identity of the pixels."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.vision = nn.Module()
-        self.vision.projector = nn.Identity()
+        self.projector = nn.Identity()
+
+    def forward(self, patches_NP: torch.Tensor, grid_thw_M3: torch.Tensor) -> torch.Tensor:
+        v = self.cfg.vision
+        return self.projector(pixel_features(patches_NP, grid_thw_M3, v.merge, v.in_channels))
+
+
+class _PixelViT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vision = _PixelVision(cfg)
 
     def forward(self, patches_NP: torch.Tensor, grid_thw_M3: torch.Tensor, **_) -> None:
-        v = self.cfg.vision
-        self.vision.projector(pixel_features(patches_NP, grid_thw_M3, v.merge, v.in_channels))
+        self.vision(patches_NP, grid_thw_M3)
 
 
 def test_the_identity_of_the_pixels_reaches_the_pixel_reference(setup):
