@@ -8,9 +8,10 @@ per media task (why the feed and not the loss weights: ARCHITECTURE, "Objectives
     otherwise                                                        ->  unchanged
 
 Boosts start at `initial_boost` (1: the configured mix). A source's weight is its configured weight
-times its task's boost (`tasks`), the document shares clipped to `min_share`/`max_share`; while the run's media-task token share is above `max_media_share`
-no boost rises and every boost shrinks by `up`. Weights go to `Trainer.set_train_weights`. Inputs are
-all-reduced (every rank decides alike); boosts, previous gaps and token counters are the replicated
+times its task's boost (`tasks`), the document shares clipped to `min_share`/`max_share`; while the
+run's media-task token share is above `max_media_share` no boost rises and every boost shrinks by
+`up`. Weights go to `Trainer.set_train_weights`. Inputs are all-reduced (every rank decides alike);
+boosts, previous gaps and token counters are the replicated
 part `callback.mix`, re-applied before the data position loads, so resume is bit-identical.
 """
 

@@ -157,7 +157,8 @@ def test_effective_rank_of_pooled_embeddings(make_config, tmp_path):
     assert 1 <= result.effective_rank["image"] <= result.media["image"]
     # the visual tokens' mean norm per kind, from the same forward
     image_Q = batch.media_kind_M[medium_Q] == IMAGE
-    assert result.visual_norm["image"] == pytest.approx(float(visual_QD[image_Q].norm(dim=-1).mean()), rel=1e-6)
+    want = float(visual_QD[image_Q].norm(dim=-1).mean())
+    assert result.visual_norm["image"] == pytest.approx(want, rel=1e-6)
     assert result.scalars()["diag/visual_norm_image"] == result.visual_norm["image"]
 
 

@@ -114,6 +114,17 @@ def test_vision_lr_mult_zero_freezes_the_vit_but_not_its_projector():
         assert torch.equal(p, start[name]) == (param_part(name) == "vision"), name
 
 
+def test_projector_lr_mult_with_vision_lr_mult_zero_freezes_the_whole_visual_path():
+    model = _toy()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = build_optimizer(model, OptimConfig(vision_lr_mult=0.0, projector_lr_mult=0.0))
+    assert len(opt.param_groups) == 6
+    _train(model, opt)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, start[name]) == (param_part(name) != "decoder"), name
+    assert param_part("vision.out_norm.weight") == "projector"
+
+
 def test_vision_weight_decay_applies_to_vit_matrices_only():
     model = _toy()
     opt = build_optimizer(model, OptimConfig(weight_decay=0.1, vision_weight_decay=0.3, vision_lr_mult=0.5))
