@@ -127,6 +127,8 @@ def export_hf(ckpt: str | Path, out: str | Path, max_shard_mib: float = 4096, pa
     state = clean_state_dict(state)
     vocab = state["decoder.embed.weight"].shape[0]
     hfc = hf_config(config, vocab, special)
+    if config["model"]["vision"].get("out_center"):  # an experiment's arm, not in the HF classes
+        raise UserError(f"{src}: vision.out_center has no Hugging Face form (export without --hf)")
     try:
         tensors = {k: v.detach().cpu().contiguous() for k, v in to_hf(state, hfc).items()}
     except ValueError as e:

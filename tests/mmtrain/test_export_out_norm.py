@@ -78,3 +78,16 @@ def test_hf_export_carries_the_gain_and_matches_mmtrain(trained, tmp_path, monke
     rows = [line for line in card.splitlines() if line.startswith("| max abs logit")]
     assert len(rows) == 2 and all(float(r.split("|")[2]) <= 1e-4 for r in rows), rows
     assert "gives mmtrain's text | yes |" in card
+
+
+def test_hf_export_refuses_out_center(tmp_path, raw_for, capsys):
+    """vision.out_center (an experiment's arm) has no HF form: a clear refusal, nothing written."""
+    torch.set_num_threads(1)
+    raw = raw_for(tmp_path / "run")
+    for item in ["train.steps=1", "train.ckpt_every=0", "model.vision.out_norm=true",
+                 "model.vision.out_center=true"]:
+        apply_override(raw, item)
+    ckpt = Trainer(from_dict(RunConfig, raw, source="out-center-test"), verbose=False).fit()["checkpoint"]
+    assert cli.main(["export", "--hf", str(ckpt), "--out", str(tmp_path / "hf")]) == 2
+    assert "vision.out_center has no Hugging Face form" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
