@@ -92,4 +92,9 @@ def test_onset_arms_run_and_their_records_outlive_the_run_dirs(tmp_path, capsys)
     assert printed.count("cached") == 3 and "Onset of reading" in printed
     results = json.loads((out / "results.json").read_text())
     assert set(results["onset"]["arms"]) == {"static", "frozen_vit", "release"}
+    summarize = ["--experiment", str(exp), "--out", str(out), "--smoke", "--seeds", "0",
+                 "--arms", "static,mix10", "--records", str(records), "--summarize-only"]
+    assert main(summarize) == 0  # mix10 never ran: listed, left out, nothing trains
+    assert "1 unfinished run(s) left out: mix10/seed0" in capsys.readouterr().out
+    assert not (out / "mix10").exists()
     assert (out / "onset_km.png").is_file()

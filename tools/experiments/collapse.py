@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="override every arm's config (repeatable)")
     p.add_argument("--smoke", action="store_true", help="a few steps per arm: checks wiring, not results")
     p.add_argument("--force", action="store_true", help="rerun runs that already have a summary")
+    p.add_argument("--summarize-only", action="store_true",
+                   help="train nothing: the table and plots of the finished runs (the others are listed)")
     p.add_argument("--report", type=Path, help="also copy table.md, results.json and plots here")
     p.add_argument("--records", type=Path, help="write each finished run's summary to RECORDS/ARM/seedN.json "
                                                 "(a run with a record is done, its directory gone or not)")
@@ -214,6 +216,13 @@ def _run(args) -> int:
           flush=True)
     t0 = time.perf_counter()
     failed, trained = [], 0
+    if args.summarize_only:  # the table of what has finished; nothing trains
+        missing = [r for r in runs if not r.done()]
+        runs = [r for r in runs if r.done()]
+        print(f"  {len(missing)} unfinished run(s) left out: "
+              + (", ".join(f"{r.arm}/seed{r.seed}" for r in missing) or "none"), flush=True)
+        if not runs:
+            raise UserError("--summarize-only: no finished run to summarise")
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         jobs = [pool.submit(run_one, r, exp.base, args.threads, args.force) for r in runs]
         for job in jobs:
