@@ -77,17 +77,6 @@ _EXPERTS = r"decoder\.layers\.(\d+)\.ffn\.(?:experts\.)?(w_in_EDF2|w_out_EFD)"
 _PART = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "g": "gate_proj", "u": "up_proj"}
 
 
-def _rows(hfc: dict, parts: str) -> list[int]:
-    E = hfc["hidden_size"] // hfc["num_attention_heads"]
-    if parts == "qkv":
-        return [
-            hfc["num_attention_heads"] * E,
-            hfc["num_key_value_heads"] * E,
-            hfc["num_key_value_heads"] * E,
-        ]
-    return []  # gate | up: two equal halves
-
-
 def to_hf(state: dict[str, Tensor], hfc: dict) -> dict[str, Tensor]:
     """mmtrain names -> HF names (`hfc`: the HF config dict). ValueError names a tensor it cannot place."""
     _check_out_norm(state, hfc)
