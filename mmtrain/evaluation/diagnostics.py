@@ -4,7 +4,7 @@
     result.alarms(), result.scalars(), result.to_dict()      # diagnostics_report.py
 
 Per batch: forwards with real media (q/k captured in every layer), blanked and (`mismatch`) swapped
-media (evaluate.mismatch_media) for the gaps; attention statistics on <= `max_rows` text rows with each
+media (mismatch.mismatch_media) for the gaps; attention statistics on <= `max_rows` text rows with each
 layer's mask (models.attention.stats); expert load, router entropy, effective ranks of the visual
 embeddings; the pointing game (pointing.py) on `grounding`; the ViT's linear probe (probe.py) on
 `probe`. All is one flat float64 sum vector: one `reduce_fn` combines ranks exactly; every rank must
@@ -37,11 +37,11 @@ from mmtrain.data_pipelines.batch import (
     PackedBatch,
 )
 from mmtrain.evaluation.diagnostics_report import DiagConfig, DiagResult
-from mmtrain.evaluation.evaluate import mismatch_media
 from mmtrain.evaluation.pointing import GroundingDoc, pointing_scores
 from mmtrain.evaluation.probe import ProbeMedium, probe_scores
 from mmtrain.frozen import frozen_state
 from mmtrain.models.attention import AttentionConfig, build_meta, even_subset, row_stats, text_rows
+from mmtrain.objectives.mismatch import mismatch_media
 from mmtrain.objectives.terms import blank_media, task_losses
 
 Tensor = torch.Tensor

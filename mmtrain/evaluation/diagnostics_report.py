@@ -83,7 +83,7 @@ class DiagResult:
     batches: int
     cfg: DiagConfig = field(default_factory=DiagConfig)
     pointing: dict[str, dict] = field(default_factory=dict)  # category -> n, accuracy, chance_cell
-    # Media swapped across documents (evaluate.mismatch_media), on the trained tokens of the documents
+    # Media swapped across documents (mismatch.mismatch_media), on the trained tokens of the documents
     # that got a foreign medium; only tasks with such tokens.
     mismatch_loss: dict[str, float] = field(default_factory=dict)  # per-token loss, swapped media
     mismatch_real_loss: dict[str, float] = field(default_factory=dict)  # ... the same tokens, own media

@@ -9,11 +9,12 @@
 A micro-batch's loss = sum over tasks of weight * (CE summed over the task's trained tokens here,
 token-weighted on the media tasks with loss.token_weighting) / (the task's trained tokens on ALL
 ranks) + the model's aux terms (MoE balance, router z) / world + visual_ssl.weight * masked-patch
-MSE / world + z_loss * mean lse^2 (scaled to this rank's share of trained tokens): the ranks' shares
-add up to the loss of one process holding the whole global batch. `end_step` hands the balancer
-the step signals it declares (task_loss, head_grad_norm: GradNorm's closed-form LM-head gradients)
-unless the step was skipped. Legend: B rows, S sequence, V vocabulary, D width, N patches,
-L layers, C attention counts (models/attention/counts.py).
+MSE / world + contrast.weight * the mismatch contrast's hinge / world (contrast.py: swapped-media
+copies of the media rows, appended to the forward) + z_loss * mean lse^2 (scaled to this rank's share
+of trained tokens): the ranks' shares add up to the loss of one process holding the whole global
+batch. `end_step` hands the balancer the step signals it declares (task_loss, head_grad_norm:
+GradNorm's closed-form LM-head gradients) unless the step was skipped. Legend: B rows, S sequence,
+V vocabulary, D width, N patches, L layers, C attention counts (models/attention/counts.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TEXT, PackedB
 from mmtrain.models.attention.counts import ATTN_COUNTS
 from mmtrain.models.vision import make_ssl_mask
 from mmtrain.objectives.balance import BalanceConfig, Balancer
+from mmtrain.objectives.contrast import ContrastConfig, ContrastSums, contrast_term, extend
 from mmtrain.objectives.sums import Sums
 from mmtrain.objectives.terms import TaskLosses, dummy_batch, head_grads, task_losses, weighted_total, z_loss
 from mmtrain.objectives.token_weighting import TokenWeighting, TokenWeightingConfig, TokenWeightingSums
@@ -68,6 +70,7 @@ class LossConfig:
     z_loss: float = 1e-4  # weight of mean(logsumexp(logits)^2) over trained tokens
     balancer: BalanceConfig = field(default_factory=BalanceConfig)
     visual_ssl: VisualSSLConfig = field(default_factory=VisualSSLConfig)
+    contrast: ContrastConfig = field(default_factory=ContrastConfig)
     token_weighting: TokenWeightingConfig = field(default_factory=TokenWeightingConfig)
 
     def __post_init__(self):
@@ -92,6 +95,7 @@ class StepSums(Sums):
     media: float = 0.0
     patches: float = 0.0
     token_weighting: TokenWeightingSums = field(default_factory=TokenWeightingSums)
+    contrast: ContrastSums = field(default_factory=ContrastSums)
     wait_s: float = 0.0  # the loop's: waiting for the data
     nonfinite: float = 0.0  # the loop's: a non-finite loss or gradient norm
     time_up: float = 0.0  # the loop's: train.time_limit_min reached
@@ -138,17 +142,27 @@ class Objective:
         if self.context is not None:
             batch, cp = local_targets(batch, self.context), {"context": self.context}
         counts = self._global_counts(batch) if world > 1 else None
-        ssl_cfg = self.cfg.loss.visual_ssl
+        ssl_cfg, contrast = self.cfg.loss.visual_ssl, self.cfg.loss.contrast
         ssl_mask = self._ssl_mask(batch) if ssl_cfg.weight else None
         # token weighting: the blank forward first, so its activations are gone before the graph's
         tw = self.token_weighting
         ce_blank_BS = tw.blank_ce(batch, counts, sums.token_weighting) if tw else None
+        extra = None
+        if contrast.weight:  # the swapped-media copies ride in the same forward as extra rows
+            extended, extra = extend(batch)
+            if extra is not None:
+                inputs = extended.model_inputs()
+                if ssl_mask is not None:  # the copies' patches are never masked
+                    ssl_mask = torch.cat([ssl_mask, ssl_mask.new_zeros(extended.patches_NP.shape[0]
+                                                                       - ssl_mask.shape[0])])
         with self.autocast():
             out = self.model(**inputs, ssl_mask_N=ssl_mask, attn_stats=self._attn is not None, **cp)
         for layer, st in out.attn_stats.items():
             row_C = torch.stack([st[k].double() for k in ATTN_COUNTS])
             self._attn[layer] = self._attn.get(layer, 0) + row_C
-        losses = task_losses(out.logits_BSV, batch.labels_BS, batch.task_BS)
+        B = batch.labels_BS.shape[0]
+        logits_BSV, hidden_BSD = out.logits_BSV[:B], out.hidden_BSD[:B]
+        losses = task_losses(logits_BSV, batch.labels_BS, batch.task_BS)
         local_n = [int(losses.count[t]) for t in TASK_NAMES]
         if counts is not None:  # the same sum as one process would form over the global micro-batch
             losses.count = {t: torch.tensor(int(counts[i]), device=self.device)
@@ -157,14 +171,18 @@ class Objective:
             tw.reweight(losses, ce_blank_BS, batch, sums.token_weighting))
         loss = weighted_total(trained, self.weights)
         if self.needs_head_grads:
-            self._add_head_grads(out, batch, losses.count)
+            self._add_head_grads(hidden_BSD, logits_BSV, batch, losses.count)
         for aux in out.aux_losses.values():  # MoE balance and router z-loss: means over rows/tokens
             loss = loss + (aux / world if world > 1 else aux)
         if out.visual_ssl is not None:  # a mean per rank: gradients average it over ranks
             loss = loss + ssl_cfg.weight * out.visual_ssl / world
             sums.visual_ssl += float(out.visual_ssl.detach())
+        if extra is not None:  # a mean per rank, as visual_ssl
+            term = contrast_term(losses.ce_BS, out.logits_BSV[B:], extended.labels_BS[B:], extra,
+                                 contrast.margin, sums.contrast)
+            loss = loss + contrast.weight * term / world
         if self.cfg.loss.z_loss:
-            z = z_loss(out.logits_BSV, batch.labels_BS)
+            z = z_loss(logits_BSV, batch.labels_BS)
             if counts is not None:
                 z = z * (batch.loss_mask_BS.sum() / max(counts[-1], 1.0))
             loss = loss + self.cfg.loss.z_loss * z
@@ -198,13 +216,14 @@ class Objective:
         mask_N = make_ssl_mask(batch.grid_thw_M3.cpu(), cfg.mask_ratio, cfg.media_share, gen)
         return mask_N.to(self.device)
 
-    def _add_head_grads(self, out, batch: PackedBatch, counts: dict[str, torch.Tensor]) -> None:
+    def _add_head_grads(self, hidden_BSD: torch.Tensor, logits_BSV: torch.Tensor, batch: PackedBatch,
+                        counts: dict[str, torch.Tensor]) -> None:
         """GradNorm: add this micro-batch's per-task LM-head gradients (of the unweighted task means)."""
         head = self.raw_model.decoder.lm_head
         weight_VD = (self.raw_model.decoder.embed if head is None else head).weight
         if hasattr(weight_VD, "full_tensor"):  # FSDP2 DTensor shard: gather it (every rank does)
             weight_VD = weight_VD.full_tensor()
-        grads = head_grads(out.hidden_BSD.detach(), out.logits_BSV.detach(), batch.labels_BS, batch.task_BS,
+        grads = head_grads(hidden_BSD.detach(), logits_BSV.detach(), batch.labels_BS, batch.task_BS,
                            weight_VD.detach(), counts)
         accum = self.cfg.train.grad_accum
         for t, g_VD in grads.items():
@@ -231,13 +250,17 @@ class Objective:
         accum = self.cfg.train.grad_accum
         ssl = total.visual_ssl / (accum * world) if self.cfg.loss.visual_ssl.weight else None
         tw = total.token_weighting.figures(world)
+        terms = {"visual_ssl": ssl}
+        if self.cfg.loss.contrast.weight:  # the step's mean hinge (before the weight)
+            terms["contrast"] = total.contrast.term / (accum * world)
+        figures = {"token_weighting": tw, "contrast_stats": total.contrast.figures()}
         return StepStats(
             loss=total.loss, task_loss=task_loss, task_acc=task_acc, grad_norm=grad_norm,
             tokens=int(total.tokens), data_wait_s=total.wait_s / world,
             step_s=time.perf_counter() - started, skipped=skipped, visual_tokens=int(total.visual),
             media=int(total.media), patches=int(total.patches), time_up=total.time_up > 0,
-            task_tokens={t: int(n[t]) for t in TASK_NAMES}, terms={"visual_ssl": ssl},
-            figures={"token_weighting": tw} if tw else {})
+            task_tokens={t: int(n[t]) for t in TASK_NAMES}, terms=terms,
+            figures={k: v for k, v in figures.items() if v})
 
     def _observe(self, task_loss: dict[str, float]) -> None:
         provide = {"task_loss": lambda: task_loss, "head_grad_norm": lambda: self._head_grad_norms(task_loss)}

@@ -9,9 +9,9 @@ cross-entropy is weighted by how much the pixels help predict it -- its loss wit
 blanked minus its loss with the real media -- so the tokens that need the image carry the gradient.
 
 Batch helpers the losses and their callers share: `take_rows` (a row subset with its media),
-`blank_media` (every medium a flat grey: the reliance gap's and token weighting's blank pass) and
-`dummy_batch` (one row of padding that adds nothing to any sum: a rank short of batches forwards it
-when forwards are collective).
+`cat_rows` (two batches' rows in one forward: the mismatch contrast's), `blank_media` (every medium a
+flat grey: the reliance gap's and token weighting's blank pass) and `dummy_batch` (one row of padding
+that adds nothing to any sum: a rank short of batches forwards it when forwards are collective).
 """
 
 from __future__ import annotations
@@ -135,6 +135,18 @@ def take_rows(batch: PackedBatch, rows_R: torch.Tensor) -> PackedBatch:
         patches_NP=batch.patches_NP[keep_N], grid_thw_M3=batch.grid_thw_M3[keep_M],
         media_kind_M=batch.media_kind_M[keep_M],
     )
+
+
+def cat_rows(first: PackedBatch, second: PackedBatch) -> PackedBatch:
+    """`first`'s rows then `second`'s (same row length), media in the same order: the placeholders
+    of every row are filled row-major, so `second`'s media follow `first`'s and its ids shift by M."""
+    shift = first.media_kind_M.shape[0]
+    media_ids_BS = torch.where(second.media_ids_BS >= 0, second.media_ids_BS + shift, second.media_ids_BS)
+    rows = {name: torch.cat([getattr(first, name), getattr(second, name)])
+            for name in ("tokens_BS", "labels_BS", "doc_ids_BS", "span_ids_BS", "modality_BS", "task_BS",
+                         "patches_NP", "grid_thw_M3", "media_kind_M")}
+    return PackedBatch(**rows, pos_ids_3BS=torch.cat([first.pos_ids_3BS, second.pos_ids_3BS], 1),
+                       media_ids_BS=torch.cat([first.media_ids_BS, media_ids_BS]))
 
 
 def blank_media(batch: PackedBatch) -> PackedBatch:

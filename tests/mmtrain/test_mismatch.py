@@ -1,4 +1,4 @@
-"""The mismatch gap: media swapped across documents (evaluate.mismatch_media) and its diagnostics signal.
+"""The mismatch gap: media swapped across documents (mismatch.mismatch_media) and its diagnostics signal.
 
 mismatch_media on hand-built batches (groups by kind and grid, interleaved documents, a lone medium)
 and on the tiny corpus's val batches: every new block is an original block of the same kind and grid
@@ -19,8 +19,8 @@ import torch
 
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, IMAGE, MEDIA_TASKS, TASK_NAMES, VIDEO, PackedBatch
 from mmtrain.evaluation.diagnostics import DiagConfig, DiagResult, run_diagnostics
-from mmtrain.evaluation.evaluate import mismatch_media
 from mmtrain.loop.trainer import Trainer
+from mmtrain.objectives.mismatch import mismatch_media
 from mmtrain.objectives.terms import task_losses
 
 PATCH_DIM = 5

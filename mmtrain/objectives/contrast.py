@@ -1,0 +1,113 @@
+"""The mismatch contrast (`loss.contrast`): a term that pays the text for reading its own media.
+
+The rows of a micro-batch that hold media-task trained tokens are copied with each document's media
+swapped for other documents' real media of the same kind and grid (`mismatch.mismatch_media`: in
+distribution, the mismatch gap's counterfactual), and the copies join the training forward as extra
+rows (`terms.cat_rows`; documents never attend across rows, so the batch's own rows are unchanged).
+Per document that got a foreign medium, gap_d = the mean over its trained tokens of (CE with the
+swapped media - CE with its own media); the term is weight * mean_d relu(margin - gap_d).
+
+Why it can start reading where more weight on the caption loss does not: its gradient is the
+own-media gradient minus the swapped-media gradient over the same text, so all that does not depend
+on the pixels (the caption's grammar and the text prior, most of a caption's gradient) cancels, and
+what is left is how the pixels should change the prediction. The hinge switches a document off once
+its text reads its media by `margin` nats a token, so the swapped loss is not pushed up for ever.
+Cost: a forward and backward of the copied rows (about the media documents' share of the rows).
+The copies are rows of the forward like any other: the MoE's balance term and expert load count them.
+
+Legend: B rows, S tokens, R copied rows, T selected tokens, D documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmtrain.checks import check
+from mmtrain.data_pipelines.batch import PackedBatch
+from mmtrain.objectives.mismatch import mismatch_media
+from mmtrain.objectives.sums import Sums
+from mmtrain.objectives.terms import cat_rows, media_tokens, take_rows, token_losses
+
+
+@dataclass
+class ContrastConfig:
+    """The mismatch contrast: `weight` 0 is off (no extra rows)."""
+
+    weight: float = 0.0
+    margin: float = 0.2  # nats a token: a document whose gap reaches it adds no gradient
+
+    def __post_init__(self):
+        check(self, "weight", ge=0)
+        check(self, "margin", gt=0)
+
+
+@dataclass
+class ContrastSums(Sums):
+    """Over micro-batches (and, reduced, ranks)."""
+
+    term: float = 0.0  # sum over micro-batches of the mean hinge (before the weight)
+    gap: float = 0.0  # sum of the documents' gaps
+    docs: float = 0.0  # documents contrasted
+    active: float = 0.0  # of them, below the margin (still pushing)
+
+    def figures(self) -> dict[str, float] | None:
+        """The step's train-side mismatch gap (mean over documents) and the share still pushing."""
+        if not self.docs:
+            return None
+        return {"train_gap": self.gap / self.docs, "active": self.active / self.docs, "docs": self.docs}
+
+
+@dataclass
+class ContrastRows:
+    """Which rows of an extended batch are the swapped copies, and of which rows."""
+
+    rows: int  # B: the batch's own rows, first in the extended batch
+    own_R: torch.Tensor  # (R,) the batch row each copy was made from
+    selected_RS: torch.Tensor  # (R, S) bool: trained media tokens of documents with a foreign medium
+    doc_ids_RS: torch.Tensor  # (R, S) the copies' document ids
+
+
+def extend(batch: PackedBatch) -> tuple[PackedBatch, ContrastRows | None]:
+    """`batch` with swapped-media copies of its rows that have something to contrast appended;
+    (batch, None) when none has (no media task here, or no medium with a foreign donor)."""
+    rows_R = media_tokens(batch.labels_BS, batch.task_BS).any(1).nonzero().squeeze(1)
+    if not len(rows_R):
+        return batch, None
+    copy, swapped_RS = mismatch_media(take_rows(batch, rows_R))
+    selected_RS = swapped_RS & media_tokens(copy.labels_BS, copy.task_BS)
+    useful_R = selected_RS.any(1)
+    if not useful_R.any():
+        return batch, None
+    if not useful_R.all():  # rows whose documents kept their own media: no forward for them
+        keep_R = useful_R.nonzero().squeeze(1)
+        copy, rows_R, selected_RS = take_rows(copy, keep_R), rows_R[keep_R], selected_RS[keep_R]
+    rows = ContrastRows(batch.labels_BS.shape[0], rows_R, selected_RS, copy.doc_ids_BS)
+    return cat_rows(batch, copy), rows
+
+
+def document_gaps(ce_real_RS: torch.Tensor, ce_swap_RS: torch.Tensor, rows: ContrastRows) -> torch.Tensor:
+    """(D,) per contrasted document: mean over its selected tokens of swapped CE - own CE."""
+    sel_RS = rows.selected_RS
+    span = int(rows.doc_ids_RS.max()) + 1
+    row_RS = torch.arange(sel_RS.shape[0], device=sel_RS.device)[:, None].expand_as(sel_RS)
+    key_T = (row_RS * span + rows.doc_ids_RS.long())[sel_RS]
+    _, doc_T = torch.unique(key_T, return_inverse=True)
+    diff_T = (ce_swap_RS - ce_real_RS)[sel_RS]
+    n_D = torch.bincount(doc_T).to(diff_T.dtype)
+    return torch.zeros_like(n_D).index_add_(0, doc_T, diff_T) / n_D
+
+
+def contrast_term(ce_own_BS: torch.Tensor, logits_swap_RSV: torch.Tensor, labels_swap_RS: torch.Tensor,
+                  rows: ContrastRows, margin: float, sums: ContrastSums) -> torch.Tensor:
+    """The mean hinge over the contrasted documents (with its graph); the step's figures -> sums.
+    `ce_own_BS`: the batch's own rows' per-token CE (with its graph)."""
+    gap_D = document_gaps(ce_own_BS[rows.own_R], token_losses(logits_swap_RSV, labels_swap_RS), rows)
+    hinge_D = (margin - gap_D).clamp(min=0)
+    term = hinge_D.mean()
+    sums.term += float(term.detach())
+    sums.gap += float(gap_D.detach().sum())
+    sums.docs += gap_D.shape[0]
+    sums.active += float((hinge_D > 0).sum())
+    return term

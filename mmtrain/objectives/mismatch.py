@@ -1,0 +1,80 @@
+"""Media swapped across documents: the in-distribution counterfactual of the mismatch gap
+(evaluation.evaluate) and of the mismatch contrast (objectives.contrast).
+
+Legend: B rows, S tokens, M media, N patches.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import torch
+
+from mmtrain.data_pipelines.batch import PackedBatch
+
+
+def mismatch_media(batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor]:
+    """The batch with each document's media replaced by real media of other documents, and the
+    (B, S) bool mask of the tokens of the documents that received at least one foreign medium.
+
+    A document is (row, doc id). Media are grouped by (kind, t, h, w), so every patch block keeps its
+    size and the token layout (placeholders, positions, spans) is unchanged. Within a group ordered by
+    document (then medium index), a medium takes the pixels of the medium n//2 places further on
+    (cyclically) when no document holds more than half of the group's n media: a permutation of the
+    group's blocks that never pairs two media of one document. Otherwise (one document holds most of
+    the group) medium j of the k-th document takes medium j mod n' of the (k+1)-th document (n' its
+    media; cyclically): media repeat, but still never come from the own document. A group whose media
+    all belong to one document, and a medium without visual tokens, keep their own pixels (and count
+    for no document). Deterministic: no random numbers.
+    """
+    B, S = batch.doc_ids_BS.shape
+    M = batch.media_kind_M.shape[0]
+    swapped_BS = torch.zeros(B, S, dtype=torch.bool, device=batch.doc_ids_BS.device)
+    if M == 0:
+        return batch, swapped_BS
+    # The document of each medium, from its placeholder tokens: key = row * span + doc id.
+    span = int(batch.doc_ids_BS.max().clamp(min=0)) + 2
+    row_BS = torch.arange(B, device=swapped_BS.device)[:, None].expand(B, S)
+    key_BS = row_BS * span + batch.doc_ids_BS.long()
+    visual_BS = (batch.media_ids_BS >= 0) & (batch.doc_ids_BS >= 0)
+    doc_M = torch.full((M,), -1, dtype=torch.long, device=key_BS.device)  # -1: no tokens
+    doc_M = doc_M.scatter_(0, batch.media_ids_BS[visual_BS].long(), key_BS[visual_BS]).tolist()
+    grids = [tuple(g) for g in batch.grid_thw_M3.tolist()]
+    kinds = batch.media_kind_M.tolist()
+    groups: dict[tuple, list[int]] = {}
+    for m in range(M):
+        if doc_M[m] >= 0:
+            groups.setdefault((kinds[m], *grids[m]), []).append(m)
+    source_M = list(range(M))
+    for members in groups.values():
+        for m, src in _cross_document_sources(members, doc_M).items():
+            source_M[m] = src
+    moved = [m for m in range(M) if source_M[m] != m]
+    if not moved:
+        return batch, swapped_BS
+    sizes_M = [t * h * w for t, h, w in grids]
+    starts_M = [0, *itertools.accumulate(sizes_M)]
+    index_N = torch.cat([torch.arange(starts_M[s], starts_M[s] + sizes_M[s]) for s in source_M])
+    patches_NP = batch.patches_NP[index_N.to(batch.patches_NP.device)]
+    docs = torch.tensor(sorted({doc_M[m] for m in moved}), device=key_BS.device)
+    swapped_BS = torch.isin(key_BS, docs) & (batch.doc_ids_BS >= 0)
+    return replace(batch, patches_NP=patches_NP), swapped_BS
+
+
+def _cross_document_sources(members: list[int], doc_M: list[int]) -> dict[int, int]:
+    """medium -> the medium whose pixels it takes, within one (kind, grid) group (see mismatch_media)."""
+    by_doc: dict[int, list[int]] = {}
+    for m in sorted(members, key=lambda m: (doc_M[m], m)):
+        by_doc.setdefault(doc_M[m], []).append(m)
+    if len(by_doc) < 2:
+        return {}
+    n, blocks = len(members), list(by_doc.values())
+    if max(len(b) for b in blocks) <= n // 2:
+        order = [m for b in blocks for m in b]
+        return {m: order[(i + n // 2) % n] for i, m in enumerate(order)}
+    out = {}
+    for k, block in enumerate(blocks):
+        donor = blocks[(k + 1) % len(blocks)]
+        out.update({m: donor[j % len(donor)] for j, m in enumerate(block)})
+    return out
