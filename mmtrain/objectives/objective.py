@@ -9,11 +9,12 @@
 A micro-batch's loss = sum over tasks of weight * (CE summed over the task's trained tokens here,
 token-weighted on the media tasks with loss.token_weighting) / (the task's trained tokens on ALL
 ranks) + the model's aux terms (MoE balance, router z) / world + visual_ssl.weight * masked-patch
-MSE / world + z_loss * mean lse^2 (scaled to this rank's share of trained tokens): the ranks' shares
-add up to the loss of one process holding the whole global batch. `end_step` hands the balancer
-the step signals it declares (task_loss, head_grad_norm: GradNorm's closed-form LM-head gradients)
-unless the step was skipped. Legend: B rows, S sequence, V vocabulary, D width, N patches,
-L layers, C attention counts (models/attention/counts.py).
+MSE / world + visual_next.weight * next-visual-token pixel MSE / world + z_loss * mean lse^2
+(scaled to this rank's share of trained tokens): the ranks' shares add up to the loss of one process
+holding the whole global batch. `end_step` hands the balancer the step signals it declares
+(task_loss, head_grad_norm: GradNorm's closed-form LM-head gradients) unless the step was skipped.
+Legend: B rows, S sequence, V vocabulary, D width, N patches, L layers, C attention counts
+(models/attention/counts.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ from mmtrain.models.attention.counts import ATTN_COUNTS
 from mmtrain.models.vision import make_ssl_mask
 from mmtrain.objectives.balance import BalanceConfig, Balancer
 from mmtrain.objectives.sums import Sums
-from mmtrain.objectives.terms import TaskLosses, dummy_batch, head_grads, task_losses, weighted_total, z_loss
+from mmtrain.objectives.terms import (
+    TaskLosses,
+    dummy_batch,
+    head_grads,
+    task_losses,
+    visual_next_loss,
+    weighted_total,
+    z_loss,
+)
 from mmtrain.objectives.token_weighting import TokenWeighting, TokenWeightingConfig, TokenWeightingSums
 from mmtrain.parallel.context_parallel import local_targets
 from mmtrain.parallel.distributed import DistEnv, all_reduce
@@ -58,6 +67,20 @@ class VisualSSLConfig:
 
 
 @dataclass
+class VisualNextConfig:
+    """Next visual token prediction on the decoder's visual positions (needs model.visual_head: true;
+    models/visual_next.py): each visual token regresses the pixels of the next merged token of its
+    medium from the decoder's final hidden state, so every medium gives targets that only its pixels
+    can meet, whatever its caption says."""
+
+    weight: float = 0.0  # 0: off
+    normalize: bool = True  # each target token to mean 0 / variance 1 over its values (as MAE)
+
+    def __post_init__(self):
+        check(self, "weight", ge=0)
+
+
+@dataclass
 class LossConfig:
     """Per-modality loss weights (the base weights every balancer starts from or multiplies), the
     balancer that adapts them, and the extra terms."""
@@ -68,6 +91,7 @@ class LossConfig:
     z_loss: float = 1e-4  # weight of mean(logsumexp(logits)^2) over trained tokens
     balancer: BalanceConfig = field(default_factory=BalanceConfig)
     visual_ssl: VisualSSLConfig = field(default_factory=VisualSSLConfig)
+    visual_next: VisualNextConfig = field(default_factory=VisualNextConfig)
     token_weighting: TokenWeightingConfig = field(default_factory=TokenWeightingConfig)
 
     def __post_init__(self):
@@ -87,6 +111,7 @@ class StepSums(Sums):
     task_tokens: dict[str, float] = field(default_factory=_per_task)  # trained tokens
     task_correct: dict[str, float] = field(default_factory=_per_task)  # argmax = label
     visual_ssl: float = 0.0  # masked-patch loss, summed over micro-batches
+    visual_next: float = 0.0  # next-visual-token pixel loss, summed over micro-batches
     tokens: float = 0.0  # real tokens
     visual: float = 0.0  # real visual tokens
     media: float = 0.0
@@ -140,11 +165,13 @@ class Objective:
         counts = self._global_counts(batch) if world > 1 else None
         ssl_cfg = self.cfg.loss.visual_ssl
         ssl_mask = self._ssl_mask(batch) if ssl_cfg.weight else None
+        next_cfg = self.cfg.loss.visual_next
         # token weighting: the blank forward first, so its activations are gone before the graph's
         tw = self.token_weighting
         ce_blank_BS = tw.blank_ce(batch, counts, sums.token_weighting) if tw else None
         with self.autocast():
-            out = self.model(**inputs, ssl_mask_N=ssl_mask, attn_stats=self._attn is not None, **cp)
+            out = self.model(**inputs, ssl_mask_N=ssl_mask, attn_stats=self._attn is not None,
+                             visual_next=next_cfg.weight > 0, **cp)
         for layer, st in out.attn_stats.items():
             row_C = torch.stack([st[k].double() for k in ATTN_COUNTS])
             self._attn[layer] = self._attn.get(layer, 0) + row_C
@@ -163,6 +190,11 @@ class Objective:
         if out.visual_ssl is not None:  # a mean per rank: gradients average it over ranks
             loss = loss + ssl_cfg.weight * out.visual_ssl / world
             sums.visual_ssl += float(out.visual_ssl.detach())
+        if out.visual_next_KT is not None:  # the same: a mean over this rank's predicted tokens
+            vn = visual_next_loss(out.visual_next_KT, batch.patches_NP, batch.grid_thw_M3,
+                                  self.cfg.model.vision.merge, next_cfg.normalize)
+            loss = loss + next_cfg.weight * vn / world
+            sums.visual_next += float(vn.detach())
         if self.cfg.loss.z_loss:
             z = z_loss(out.logits_BSV, batch.labels_BS)
             if counts is not None:
@@ -230,13 +262,14 @@ class Objective:
             self._observe(task_loss)
         accum = self.cfg.train.grad_accum
         ssl = total.visual_ssl / (accum * world) if self.cfg.loss.visual_ssl.weight else None
+        nxt = total.visual_next / (accum * world) if self.cfg.loss.visual_next.weight else None
         tw = total.token_weighting.figures(world)
         return StepStats(
             loss=total.loss, task_loss=task_loss, task_acc=task_acc, grad_norm=grad_norm,
             tokens=int(total.tokens), data_wait_s=total.wait_s / world,
             step_s=time.perf_counter() - started, skipped=skipped, visual_tokens=int(total.visual),
             media=int(total.media), patches=int(total.patches), time_up=total.time_up > 0,
-            task_tokens={t: int(n[t]) for t in TASK_NAMES}, terms={"visual_ssl": ssl},
+            task_tokens={t: int(n[t]) for t in TASK_NAMES}, terms={"visual_ssl": ssl, "visual_next": nxt},
             figures={"token_weighting": tw} if tw else {})
 
     def _observe(self, task_loss: dict[str, float]) -> None:
