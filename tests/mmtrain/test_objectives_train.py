@@ -116,7 +116,7 @@ def test_visual_ssl_term_and_train_accuracy_are_logged(make_config, tmp_path):
         assert set(metrics[s]["task_acc"]) == set(metrics[s]["task_loss"])
 
 
-def test_visual_next_term_is_logged_and_refused_where_it_cannot_run(make_config, tmp_path):
+def test_visual_next_term_is_logged_resumed_and_refused_where_it_cannot_run(make_config, tmp_path):
     with pytest.raises((ConfigError, ValueError), match=r"loss\.visual_next\.weight.*model\.visual_head"):
         make_config(tmp_path / "bad", ["loss.visual_next.weight=1"])
     cp = ["model.visual_head=true", "loss.visual_next.weight=1", "model.decoder.attention.full_tile=16",
@@ -125,7 +125,13 @@ def test_visual_next_term_is_logged_and_refused_where_it_cannot_run(make_config,
         make_config(tmp_path / "cp", cp)
     over = ["train.steps=1", "train.log_every=1", "train.ckpt_every=0", "model.visual_head=true",
             "loss.visual_next.weight=1"]
-    Trainer(make_config(tmp_path / "run", over), verbose=False).fit()
+    trainer = Trainer(make_config(tmp_path / "run", over), verbose=False)
+    trainer.fit()
     value = _metrics(tmp_path / "run")[1]["visual_next"]
     assert value is not None and 0 < value < float("inf")
     assert "train/loss_visual_next" in _scalar_tags(tmp_path / "run")
+    head = trainer.raw_model.visual_head.weight  # an ordinary parameter: checkpointed and resumed
+    resumed = Trainer(make_config(tmp_path / "run", [*over, "train.steps=2"]), verbose=False)
+    assert resumed.step == 1 and torch.equal(resumed.raw_model.visual_head.weight, head)
+    assert torch.equal(resumed.optimizer.state[resumed.raw_model.visual_head.weight]["exp_avg"],
+                       trainer.optimizer.state[head]["exp_avg"])
