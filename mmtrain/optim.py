@@ -45,7 +45,7 @@ _WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "module", "_fsdp_wrapped
 
 def param_part(name: str) -> str:
     """The part a parameter belongs to: "vision" (the ViT), "projector" (vision -> decoder, with its
-    output norm) or "decoder"."""
+    output norm) or "decoder" (the rest: the decoder and the training-only `visual_head`)."""
     parts = [p for p in name.split(".") if p not in _WRAPPERS]
     if parts[:1] != ["vision"]:
         return "decoder"

@@ -12,7 +12,9 @@ fraction. Documents shorter than S make full layers cheaper than counted (an upp
 Norms (the vision `out_norm` on the projector's output included) are parameters, not matmuls:
 counted in the totals, their FLOPs left out as negligible.
 The optional visual self-supervised pass (vision `ssl_head`: a second tower pass over the
-masked media) is not counted; its mask token and head count as vision parameters.
+masked media) is not counted; its mask token and head count as vision parameters. Nor is the
+training-only visual head (`ModelConfig.visual_head`, outside `decoder`: it reads only the visual
+positions); it counts in the totals.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from .counting import ParamCount, count_params, flops_per_token
 from .decoder import Decoder, DecoderConfig
 from .moe import MoE
 from .vision import VisionConfig, VisionEncoder
+from .visual_next import predicting_positions
 
 Tensor = torch.Tensor
 
@@ -29,6 +30,9 @@ Tensor = torch.Tensor
 class ModelConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    # A training-only linear head from the decoder's final hidden states to the next merged visual
+    # token's pixels (models/visual_next.py; loss.visual_next). Off: no parameters (state dicts as before).
+    visual_head: bool = False
 
 
 @dataclass
@@ -41,6 +45,7 @@ class ModelOutput:
     captures: dict[int, dict]  # layer -> what `attend` recorded (q, k after RoPE, block selection)
     visual_embeds_ND: Tensor  # merged visual tokens before the scatter (patches / merge^2, D)
     visual_ssl: Tensor | None = None  # masked-patch reconstruction loss when forward got ssl_mask_N
+    visual_next_KT: Tensor | None = None  # forward(visual_next=True): next_pairs' predicted pixels
     attn_stats: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # forward(attn_stats=True)
 
 
@@ -50,17 +55,22 @@ class MultimodalModel(nn.Module):
         self.cfg = cfg
         self.vision = VisionEncoder(cfg.vision, cfg.decoder.dim, cfg.decoder.attention)
         self.decoder = Decoder(cfg.decoder)
+        # built last, so that without it every other parameter draws the same init as before
+        out = cfg.vision.merge ** 2 * cfg.vision.patch_dim
+        self.visual_head = nn.Linear(cfg.decoder.dim, out) if cfg.visual_head else None
+        self._reset_visual_head()
 
     def forward(self, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, span_ids_BS: Tensor,
                 modality_BS: Tensor, patches_NP: Tensor, grid_thw_M3: Tensor,
                 capture_layers: Collection[int] | None = None, compute_logits: bool = True,
                 ssl_mask_N: Tensor | None = None, attn_stats: bool = False,
-                context: ContextShard | None = None) -> ModelOutput:
+                context: ContextShard | None = None, visual_next: bool = False) -> ModelOutput:
         """`ssl_mask_N` (bool, one per patch; see `vision.make_ssl_mask`) adds the vision encoder's
         masked-patch loss, computed here so that FSDP/DDP forward hooks cover its second pass.
         The decoder always sees the real, unmasked patches. With `context` (context parallelism:
         attention/context.py) the inputs are whole rows, the vision tower encodes every medium of
         them and the outputs (logits, hidden states) are this rank's chunk of each row.
+        `visual_next` adds the visual head's predictions (`visual_next_KT`), here for the same reason.
         """
         visual_ND = self.vision(patches_NP, grid_thw_M3)  # N: patches in, merged tokens out
         visual_ssl = (None if ssl_mask_N is None
@@ -68,8 +78,21 @@ class MultimodalModel(nn.Module):
         out = self.decoder(tokens_BS, pos_ids_3BS, doc_ids_BS, span_ids_BS, modality_BS, visual_ND,
                            capture_layers, attn_stats, context)
         logits_BSV = self.decoder.logits(out.hidden_BSD) if compute_logits else None
+        pred_KT = (self.visual_next_pred(out.hidden_BSD, modality_BS, grid_thw_M3, context)
+                   if visual_next else None)
         return ModelOutput(logits_BSV, out.hidden_BSD, out.aux_losses, out.expert_load, out.router_entropy,
-                           out.captures, visual_ND, visual_ssl, out.attn_stats)
+                           out.captures, visual_ND, visual_ssl, pred_KT, out.attn_stats)
+
+    def visual_next_pred(self, hidden_BSD: Tensor, modality_BS: Tensor, grid_thw_M3: Tensor,
+                         context: ContextShard | None = None) -> Tensor:
+        """(K, merge^2 * P) the head's pixels of each visual token's next token in its medium, in
+        `visual_next.next_pairs` order (K = 0 without media: still tied to the head, for DDP)."""
+        if self.visual_head is None:
+            raise ValueError("visual_head: visual_next needs ModelConfig(visual_head=True)")
+        if context is not None:  # the pairs cross the ranks' chunks of a row
+            raise ValueError("visual_next: not available under context parallelism")
+        b_K, s_K = predicting_positions(modality_BS, grid_thw_M3, self.cfg.vision.merge)
+        return self.visual_head(hidden_BSD[b_K, s_K])
 
     def logits(self, hidden_BSD: Tensor) -> Tensor:
         """The LM head alone (for chunked cross-entropy over `hidden_BSD`)."""
@@ -80,6 +103,12 @@ class MultimodalModel(nn.Module):
         """(Re)initialise every parameter and buffer, e.g. after `to_empty` from the meta device."""
         self.vision.reset_parameters()
         self.decoder.reset_parameters()
+        self._reset_visual_head()
+
+    def _reset_visual_head(self) -> None:
+        if self.visual_head is not None:
+            nn.init.normal_(self.visual_head.weight, std=self.cfg.decoder.init_std)
+            nn.init.zeros_(self.visual_head.bias)
 
     def moe_layers(self) -> dict[int, MoE]:
         return self.decoder.moe_layers()

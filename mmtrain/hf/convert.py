@@ -11,7 +11,8 @@ Every tensor is a slice, transpose or copy of one mmtrain tensor, so the round t
 The MoE's names changed when it was split into router / experts modules (`ffn.expert_bias_E` ->
 `ffn.router.expert_bias_E`, `ffn.w_in_EDF2` -> `ffn.experts.w_in_EDF2`): the patterns below read
 both spellings, and `from_hf` writes the one its target state dict uses.
-Training-only tensors (the masked-patch head and mask token) are not exported.
+Training-only tensors (the masked-patch head and mask token, the decoder-side visual head of
+loss.visual_next) are not exported: nothing at inference reads them, so parity is unaffected.
 
 Legend: E experts, D model dim, F expert hidden dim, H heads, K kv heads, Eh head dim.
 """
@@ -25,7 +26,8 @@ import torch
 
 Tensor = torch.Tensor
 OUT_NORM = "vision.out_norm.weight"
-TRAINING_ONLY = ("vision.mask_token", "vision.ssl_head.weight", "vision.ssl_head.bias")
+TRAINING_ONLY = ("vision.mask_token", "vision.ssl_head.weight", "vision.ssl_head.bias",
+                 "visual_head.weight", "visual_head.bias")
 _SIMPLE = [  # (mmtrain pattern, HF pattern): renamed, same tensor
     (r"decoder\.embed\.weight", "model.language_model.embed_tokens.weight"),
     (r"decoder\.norm\.weight", "model.language_model.norm.weight"),

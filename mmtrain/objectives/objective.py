@@ -9,12 +9,13 @@
 A micro-batch's loss = sum over tasks of weight * (CE summed over the task's trained tokens here,
 token-weighted on the media tasks with loss.token_weighting) / (the task's trained tokens on ALL
 ranks) + the model's aux terms (MoE balance, router z) / world + visual_ssl.weight * masked-patch
-MSE / world + contrast.weight * the mismatch contrast's hinge / world (contrast.py: swapped-media
-copies of the media rows, appended to the forward) + z_loss * mean lse^2 (scaled to this rank's share
-of trained tokens): the ranks' shares add up to the loss of one process holding the whole global
-batch. `end_step` hands the balancer the step signals it declares (task_loss, head_grad_norm:
-GradNorm's closed-form LM-head gradients) unless the step was skipped. Legend: B rows, S sequence,
-V vocabulary, D width, N patches, L layers, C attention counts (models/attention/counts.py).
+MSE / world + visual_next.weight * next-visual-token pixel MSE / world + contrast.weight * the
+mismatch contrast's hinge / world (contrast.py: swapped-media copies of the media rows, appended to
+the forward) + z_loss * mean lse^2 (scaled to this rank's share of trained tokens): the ranks' shares
+add up to the loss of one process holding the whole global batch. `end_step` hands the balancer the
+step signals it declares (task_loss, head_grad_norm: GradNorm's closed-form LM-head gradients) unless
+the step was skipped. Legend: B rows, S sequence, V vocabulary, D width, N patches, L layers, C
+attention counts (models/attention/counts.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,15 @@ from mmtrain.models.vision import make_ssl_mask
 from mmtrain.objectives.balance import BalanceConfig, Balancer
 from mmtrain.objectives.contrast import ContrastConfig, ContrastSums, contrast_term, extend
 from mmtrain.objectives.sums import Sums
-from mmtrain.objectives.terms import TaskLosses, dummy_batch, head_grads, task_losses, weighted_total, z_loss
+from mmtrain.objectives.terms import (
+    TaskLosses,
+    dummy_batch,
+    head_grads,
+    task_losses,
+    visual_next_loss,
+    weighted_total,
+    z_loss,
+)
 from mmtrain.objectives.token_weighting import TokenWeighting, TokenWeightingConfig, TokenWeightingSums
 from mmtrain.parallel.context_parallel import local_targets
 from mmtrain.parallel.distributed import DistEnv, all_reduce
@@ -60,6 +69,20 @@ class VisualSSLConfig:
 
 
 @dataclass
+class VisualNextConfig:
+    """Next visual token prediction on the decoder's visual positions (needs model.visual_head: true;
+    models/visual_next.py): each visual token regresses the pixels of the next merged token of its
+    medium from the decoder's final hidden state, so every medium gives targets that only its pixels
+    can meet, whatever its caption says."""
+
+    weight: float = 0.0  # 0: off
+    normalize: bool = True  # each target token to mean 0 / variance 1 over its values (as MAE)
+
+    def __post_init__(self):
+        check(self, "weight", ge=0)
+
+
+@dataclass
 class LossConfig:
     """Per-modality loss weights (the base weights every balancer starts from or multiplies), the
     balancer that adapts them, and the extra terms."""
@@ -71,6 +94,7 @@ class LossConfig:
     balancer: BalanceConfig = field(default_factory=BalanceConfig)
     visual_ssl: VisualSSLConfig = field(default_factory=VisualSSLConfig)
     contrast: ContrastConfig = field(default_factory=ContrastConfig)
+    visual_next: VisualNextConfig = field(default_factory=VisualNextConfig)
     token_weighting: TokenWeightingConfig = field(default_factory=TokenWeightingConfig)
 
     def __post_init__(self):
@@ -90,6 +114,7 @@ class StepSums(Sums):
     task_tokens: dict[str, float] = field(default_factory=_per_task)  # trained tokens
     task_correct: dict[str, float] = field(default_factory=_per_task)  # argmax = label
     visual_ssl: float = 0.0  # masked-patch loss, summed over micro-batches
+    visual_next: float = 0.0  # next-visual-token pixel loss, summed over micro-batches
     tokens: float = 0.0  # real tokens
     visual: float = 0.0  # real visual tokens
     media: float = 0.0
@@ -144,6 +169,7 @@ class Objective:
         counts = self._global_counts(batch) if world > 1 else None
         ssl_cfg, contrast = self.cfg.loss.visual_ssl, self.cfg.loss.contrast
         ssl_mask = self._ssl_mask(batch) if ssl_cfg.weight else None
+        next_cfg = self.cfg.loss.visual_next
         # token weighting: the blank forward first, so its activations are gone before the graph's
         tw = self.token_weighting
         ce_blank_BS = tw.blank_ce(batch, counts, sums.token_weighting) if tw else None
@@ -156,7 +182,8 @@ class Objective:
                     ssl_mask = torch.cat([ssl_mask, ssl_mask.new_zeros(extended.patches_NP.shape[0]
                                                                        - ssl_mask.shape[0])])
         with self.autocast():
-            out = self.model(**inputs, ssl_mask_N=ssl_mask, attn_stats=self._attn is not None, **cp)
+            out = self.model(**inputs, ssl_mask_N=ssl_mask, attn_stats=self._attn is not None,
+                             visual_next=next_cfg.weight > 0, **cp)
         for layer, st in out.attn_stats.items():
             row_C = torch.stack([st[k].double() for k in ATTN_COUNTS])
             self._attn[layer] = self._attn.get(layer, 0) + row_C
@@ -177,6 +204,12 @@ class Objective:
         if out.visual_ssl is not None:  # a mean per rank: gradients average it over ranks
             loss = loss + ssl_cfg.weight * out.visual_ssl / world
             sums.visual_ssl += float(out.visual_ssl.detach())
+        if out.visual_next_KT is not None:  # the same: a mean over this rank's predicted tokens
+            # (the forward's media: with the contrast, the copies' too)
+            vn = visual_next_loss(out.visual_next_KT, inputs["patches_NP"], inputs["grid_thw_M3"],
+                                  self.cfg.model.vision.merge, next_cfg.normalize)
+            loss = loss + next_cfg.weight * vn / world
+            sums.visual_next += float(vn.detach())
         if extra is not None:  # a mean per rank, as visual_ssl
             term = contrast_term(losses.ce_BS, out.logits_BSV[B:], extended.labels_BS[B:], extra,
                                  contrast.margin, sums.contrast)
@@ -249,8 +282,9 @@ class Objective:
             self._observe(task_loss)
         accum = self.cfg.train.grad_accum
         ssl = total.visual_ssl / (accum * world) if self.cfg.loss.visual_ssl.weight else None
+        nxt = total.visual_next / (accum * world) if self.cfg.loss.visual_next.weight else None
         tw = total.token_weighting.figures(world)
-        terms = {"visual_ssl": ssl}
+        terms = {"visual_ssl": ssl, "visual_next": nxt}
         if self.cfg.loss.contrast.weight:  # the step's mean hinge (before the weight)
             terms["contrast"] = total.contrast.term / (accum * world)
         figures = {"token_weighting": tw, "contrast_stats": total.contrast.figures()}

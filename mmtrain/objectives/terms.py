@@ -1,12 +1,16 @@
 """Per-modality losses: each a per-token mean over the trained tokens of one task.
 
-Legend: B rows, S sequence, V vocabulary, R rows taken, N patches, M media, T tokens. Tasks
+Legend: B rows, S sequence, V vocabulary, R rows taken, N patches, M media, T tokens (in
+`visual_next_loss`: K visual tokens with a next-token target, T target values each). Tasks
 (data_pipelines.batch): text-only documents, documents with images (image_text), documents with
 video (video_text).
 
 Token reliance weighting (`loss.token_weighting`): within a media task, a caption token's
 cross-entropy is weighted by how much the pixels help predict it -- its loss with every medium
 blanked minus its loss with the real media -- so the tokens that need the image carry the gradient.
+
+Next visual token prediction (`loss.visual_next`): the MSE of the visual head's pixels against the
+next merged token's of the same medium (models/visual_next.py says which).
 
 Batch helpers the losses and their callers share: `take_rows` (a row subset with its media),
 `cat_rows` (two batches' rows in one forward: the mismatch contrast's), `blank_media` (every medium a
@@ -30,6 +34,7 @@ from mmtrain.data_pipelines.batch import (
     TASK_VIDEO_TEXT,
     PackedBatch,
 )
+from mmtrain.models.visual_next import next_targets
 
 MEDIA_TASK_IDS = (TASK_IMAGE_TEXT, TASK_VIDEO_TEXT)
 
@@ -78,6 +83,15 @@ def reweighted(losses: TaskLosses, weights_BS: torch.Tensor, labels_BS: torch.Te
     sums = {name: (wce_BS * (trained_BS & (task_BS == task_id))).sum()
             for task_id, name in enumerate(TASK_NAMES)}
     return replace(losses, loss_sum=sums)
+
+
+def visual_next_loss(pred_KT: torch.Tensor, patches_NP: torch.Tensor, grid_thw_M3: torch.Tensor,
+                     merge: int, normalize: bool) -> torch.Tensor:
+    """fp32 MSE of the visual head's pixels (`ModelOutput.visual_next_KT`) against the next tokens'
+    (models/visual_next.py), mean over the predicted tokens and their values. No token with a
+    target (no media, or one-token media): 0, still tied to the head (DDP wants its gradient)."""
+    target_KT = next_targets(patches_NP, grid_thw_M3, merge, normalize)
+    return (pred_KT.float() - target_KT).square().sum() / max(target_KT.numel(), 1)
 
 
 def media_tokens(labels_BS: torch.Tensor, task_BS: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """`mmtrain export --hf`: a random tiny model (no training) exported once per variant, then loaded by
 transformers and compared with mmtrain itself, fp32 on CPU, offline.
 
-Variants: "block" selection per kv group with sigmoid routing, untied head, the vision out_norm on
-(one safetensors file); "token" selection per head with softmax routing, modality expert groups,
+Variants: "block" selection per kv group with sigmoid routing, untied head, the vision out_norm on,
+the training-only visual head (model.visual_head: left out of the export, parity unaffected) (one
+safetensors file); "token" selection per head with softmax routing, modality expert groups,
 tied embeddings, no out_norm (sharded).
 Both: sparse layers that really cut blocks (checked), MoE expert biases that are not zero.
 """
@@ -26,7 +27,7 @@ from mmtrain import cli
 from mmtrain.config import apply_override, from_dict
 from mmtrain.data_pipelines.packing import assemble
 from mmtrain.errors import UserError
-from mmtrain.hf.convert import from_hf
+from mmtrain.hf.convert import TRAINING_ONLY, from_hf
 from mmtrain.inference.export_hf import export_hf
 from mmtrain.inference.generate import generate, load
 from mmtrain.inference.prompts import prompt_document, read_sample, sample_prompt
@@ -41,6 +42,7 @@ VARIANTS = {
         "model.decoder.attention.select=block",
         "model.decoder.moe.score=sigmoid",
         "model.vision.out_norm=true",
+        "model.visual_head=true",
     ],
     "token": [
         "model.decoder.attention.select=token",
@@ -175,10 +177,13 @@ def test_weights_round_trip_bit_exact(exported):
     assert any(".mlp.experts.0.gate_proj.weight" in k for k in hf)
     assert any("self_attn.q_proj.weight" in k for k in hf)
     assert ("model.visual.merger.out_norm.weight" in hf) == (exported["name"] == "block")
-    back = from_hf(hf, json.loads((exported["out"] / "config.json").read_text()), exported["state"].keys())
-    assert back.keys() == exported["state"].keys()
-    for k, v in exported["state"].items():
-        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    state = exported["state"]
+    assert ("visual_head.weight" in state) == (exported["name"] == "block")
+    assert not any("visual_head" in k for k in hf)  # training-only: not exported
+    back = from_hf(hf, json.loads((exported["out"] / "config.json").read_text()), state.keys())
+    assert back.keys() == state.keys() - set(TRAINING_ONLY)
+    for k, v in back.items():
+        assert v.dtype == state[k].dtype and torch.equal(v, state[k]), k
 
 
 def test_transformers_loads_every_weight(exported):

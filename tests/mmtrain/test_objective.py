@@ -1,7 +1,8 @@
 """The objective without a Trainer: a model, a batch and a balancer. Its loss is the sum of the
 terms the config names, its step sums count what the batch holds, GradNorm's closed-form head
 gradient norms equal autograd's, token weighting changes the optimised loss but not the logged
-one, the SSL term adds weight x the masked-patch loss, and a log step measures attention.
+one, the SSL term adds weight x the masked-patch loss, the visual-next term weight x its pixel loss
+(nothing, not even a gradient, at weight 0), and a log step measures attention.
 
 Legend: V vocabulary, D width.
 """
@@ -19,6 +20,7 @@ from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES
 from mmtrain.data_pipelines.loader import build_loader
 from mmtrain.data_pipelines.tokenizer import load_tokenizer
 from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.models.visual_next import next_targets, next_targets_reference, predicting_positions
 from mmtrain.objectives.balance import build_balancer
 from mmtrain.objectives.objective import Objective, StepSums
 from mmtrain.objectives.terms import media_tokens, task_losses, weighted_total, z_loss
@@ -36,7 +38,7 @@ def setup(raw_for, tmp_path_factory):
 
     def make(overrides=()):
         r = copy.deepcopy(raw)
-        for item in ["model.vision.ssl_head=true", "train.log_every=1", *overrides]:
+        for item in ["model.vision.ssl_head=true", "model.visual_head=true", "train.log_every=1", *overrides]:
             apply_override(r, item)
         cfg = from_dict(RunConfig, r, source="objective-test")
         cfg.model.decoder.vocab_size = tokenizer.vocab_size
@@ -82,7 +84,7 @@ def test_the_loss_is_the_sum_of_its_terms_and_the_sums_count_the_batch(setup):
     stats = obj.end_step(sums, grad_norm=1.0, skipped=False, started=0.0)
     assert stats.task_loss == {t: sums.task_ce[t] / sums.task_tokens[t] for t in TASK_NAMES
                                if sums.task_tokens[t]}
-    assert stats.terms == {"visual_ssl": None} and stats.figures == {}
+    assert stats.terms == {"visual_ssl": None, "visual_next": None} and stats.figures == {}
     assert set(obj.attn_stats) and all(a["keys_per_token"] > 0 for a in obj.attn_stats.values())
 
 
@@ -125,4 +127,34 @@ def test_the_ssl_term_adds_its_weight_times_the_masked_patch_loss(setup):
                                rtol=1e-5, atol=1e-6)
     obj = objective(make, model, ["loss.visual_ssl.weight=0.5"])
     stats = obj.end_step(half, grad_norm=1.0, skipped=False, started=0.0)
-    assert stats.terms == {"visual_ssl": half.visual_ssl}
+    assert stats.terms == {"visual_ssl": half.visual_ssl, "visual_next": None}
+
+
+def test_the_visual_next_term_adds_its_weight_times_the_pixel_loss(setup):
+    make, model, batch = setup
+    model.zero_grad(set_to_none=True)
+    off_loss, off = one_step(objective(make, model), batch)
+    zero_loss, zero = one_step(objective(make, model, ["loss.visual_next.weight=0"]), batch)
+    assert torch.equal(zero_loss, off_loss) and zero == off and zero.visual_next == 0
+    zero_loss.backward()
+    assert model.visual_head.weight.grad is None  # weight 0: not computed, no gradient
+    half_loss, half = one_step(objective(make, model, ["loss.visual_next.weight=0.5"]), batch)
+    full_loss, full = one_step(objective(make, model, ["loss.visual_next.weight=1.0"]), batch)
+    assert half.visual_next == full.visual_next > 0
+    torch.testing.assert_close(full_loss - half_loss, torch.tensor(0.5 * full.visual_next),
+                               rtol=1e-5, atol=1e-6)
+    stats = objective(make, model, ["loss.visual_next.weight=0.5"]).end_step(
+        half, grad_norm=1.0, skipped=False, started=0.0)
+    assert stats.terms == {"visual_ssl": None, "visual_next": half.visual_next}
+    model.zero_grad(set_to_none=True)
+
+
+def test_visual_next_targets_follow_the_pipelines_media_ids(setup):
+    """On a batch the data pipeline packed: the fast mapping equals the loop over its media_ids."""
+    _, model, batch = setup
+    merge = model.cfg.vision.merge
+    ref = next_targets_reference(batch.media_ids_BS, batch.patches_NP, batch.grid_thw_M3, merge)
+    b_K, s_K = predicting_positions(batch.modality_BS, batch.grid_thw_M3, merge)
+    assert len(ref) > 0 and [(b, s) for b, s, _ in ref] == list(zip(b_K.tolist(), s_K.tolist()))
+    target_KT = next_targets(batch.patches_NP, batch.grid_thw_M3, merge, normalize=False)
+    assert torch.equal(torch.stack([t for _, _, t in ref]), target_KT)

@@ -1,4 +1,5 @@
-"""The objectives inside the trainer: balancers, diagnostics, curriculum stages, the visual SSL term."""
+"""The objectives inside the trainer: balancers, diagnostics, curriculum stages, the visual SSL and
+visual-next terms."""
 
 from __future__ import annotations
 
@@ -19,6 +20,18 @@ def _metrics(run) -> dict[int, dict]:
         rec = json.loads(line)
         out[rec["step"]] = rec
     return out
+
+
+def _scalar_tags(run) -> set[str]:
+    """Every TensorBoard scalar tag the run wrote."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: set[str] = set()
+    for folder in {p.parent for p in (run / "tb").rglob("events.*")}:
+        acc = EventAccumulator(str(folder))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    return tags
 
 
 def test_diagnostics_leave_training_unchanged(make_config, tmp_path):
@@ -101,3 +114,24 @@ def test_visual_ssl_term_and_train_accuracy_are_logged(make_config, tmp_path):
     for s in (1, 2, 3):
         assert all(0.0 <= a <= 1.0 for a in metrics[s]["task_acc"].values())
         assert set(metrics[s]["task_acc"]) == set(metrics[s]["task_loss"])
+
+
+def test_visual_next_term_is_logged_resumed_and_refused_where_it_cannot_run(make_config, tmp_path):
+    with pytest.raises((ConfigError, ValueError), match=r"loss\.visual_next\.weight.*model\.visual_head"):
+        make_config(tmp_path / "bad", ["loss.visual_next.weight=1"])
+    cp = ["model.visual_head=true", "loss.visual_next.weight=1", "model.decoder.attention.full_tile=16",
+          "dist.cp=2"]
+    with pytest.raises((ConfigError, ValueError), match=r"dist\.cp.*loss\.visual_next\.weight"):
+        make_config(tmp_path / "cp", cp)
+    over = ["train.steps=1", "train.log_every=1", "train.ckpt_every=0", "model.visual_head=true",
+            "loss.visual_next.weight=1"]
+    trainer = Trainer(make_config(tmp_path / "run", over), verbose=False)
+    trainer.fit()
+    value = _metrics(tmp_path / "run")[1]["visual_next"]
+    assert value is not None and 0 < value < float("inf")
+    assert "train/loss_visual_next" in _scalar_tags(tmp_path / "run")
+    head = trainer.raw_model.visual_head.weight  # an ordinary parameter: checkpointed and resumed
+    resumed = Trainer(make_config(tmp_path / "run", [*over, "train.steps=2"]), verbose=False)
+    assert resumed.step == 1 and torch.equal(resumed.raw_model.visual_head.weight, head)
+    assert torch.equal(resumed.optimizer.state[resumed.raw_model.visual_head.weight]["exp_avg"],
+                       trainer.optimizer.state[head]["exp_avg"])

@@ -85,6 +85,7 @@ def test_param_part_strips_wrapper_prefixes():
     assert param_part("_checkpoint_wrapped_module.vision.patch_embed.weight") == "vision"
     assert param_part("decoder.layers.0.attn.wq.weight") == "decoder"
     assert param_part("visionary.weight") == "decoder"
+    assert param_part("visual_head.weight") == param_part("module.visual_head.bias") == "decoder"
 
 
 def test_default_groups_are_the_previous_two():
