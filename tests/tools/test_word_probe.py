@@ -17,7 +17,7 @@ from mmtrain.data_pipelines.synth.config import SynthConfig
 from mmtrain.data_pipelines.synth.writer import write_corpus
 from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.run_config import RunConfig
-from tools import probe_media, word_probe
+from tools import caption_table, probe_media, word_probe
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["data.num_workers=0", "data.batch_size=4", "data.seq_len=192", "data.media.max_pixels=2304",
@@ -89,3 +89,15 @@ def test_the_vit_probe_of_a_blind_projector_is_chance(ckpts, capsys):
     assert "vit_pre" in capsys.readouterr().out
     assert probe_media.main(["--ckpt", blind_ckpt, "--media", "2"]) == 2
     assert "--media: need at least 3" in capsys.readouterr().err
+
+
+def test_caption_table_blind_checkpoint_names_alike_with_real_and_blank_media(ckpts, capsys):
+    """A model whose visual tokens are 0 whatever the pixels captions a medium and its grey blank
+    alike: real and blanked accuracies are equal for every attribute."""
+    res = _json(caption_table, ["--ckpt", ckpts["blind"], "--images", "4", "--videos", "2"], capsys)
+    assert res["prompts"] >= 4 and res["accuracy"]
+    assert res["accuracy"] == res["blank_accuracy"]
+    assert res["majority"] and all(0 < v <= 1 for v in res["majority"].values())
+    assert caption_table.main(["--ckpt", ckpts["seeing"], "--images", "2", "--videos", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| attribute | words | real media | blanked media | majority |" in out
