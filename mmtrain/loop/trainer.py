@@ -182,8 +182,9 @@ class Trainer:
     def _group_hint(self, ckpt: Path) -> str:
         """Why the optimizer state may not fit: a part's own param groups (optim.vision_* / projector_*)."""
         saved = (yaml.safe_load((ckpt / "config.yaml").read_text(encoding="utf-8")) or {}).get("optim", {})
-        keys = ("vision_lr_mult", "vision_weight_decay", "projector_lr_mult")
-        defaults = {"vision_lr_mult": 1.0, "vision_weight_decay": None, "projector_lr_mult": 1.0}
+        keys = ("vision_lr_mult", "vision_weight_decay", "projector_lr_mult", "vision_hold_steps")
+        defaults = {"vision_lr_mult": 1.0, "vision_weight_decay": None, "projector_lr_mult": 1.0,
+                    "vision_hold_steps": 0}
         changed = [k for k in keys if saved.get(k, defaults[k]) != getattr(self.cfg.optim, k)]
         return (f" (optim.{' / optim.'.join(changed)} differ from the checkpoint's: they add or remove a "
                 f"part's own optimizer groups, so resume with the checkpoint's values)") if changed else ""

@@ -150,3 +150,26 @@ def test_resuming_with_the_vits_own_groups_toggled_says_why(make_config, tmp_pat
         Trainer(make_config(run, ["train.steps=4", "optim.vision_lr_mult=0.0"]), verbose=False)
     trainer = Trainer(make_config(run, ["train.steps=4"]), verbose=False)  # the same settings resume
     assert trainer.step == 2
+
+
+def test_vision_hold_steps_freezes_the_vit_then_trains_it():
+    """Held for 2 steps: those steps equal a frozen-ViT run's (same gradients), then the ViT moves
+    while the frozen run's stays."""
+    held, frozen = _toy(), _toy()
+    frozen.load_state_dict(held.state_dict())
+    start = {n: p.detach().clone() for n, p in held.named_parameters()}
+    grads = [[torch.randn_like(p) for p in held.parameters()] for _ in range(4)]
+    cfgs = (OptimConfig(vision_hold_steps=2), OptimConfig(vision_lr_mult=0.0))
+    opts = [build_optimizer(m, c) for m, c in zip((held, frozen), cfgs)]
+    scheds = [build_scheduler(o, 10, c) for o, c in zip(opts, cfgs)]
+    for step in range(4):
+        for model, opt, sched in zip((held, frozen), opts, scheds):
+            for i, p in enumerate(model.parameters()):
+                p.grad = grads[step][i].clone()
+            opt.step()
+            sched.step()
+        same = all(torch.equal(p, q) for p, q in zip(held.parameters(), frozen.parameters()))
+        assert same == (step < 2), step
+    for name, p in held.named_parameters():
+        assert not torch.equal(p, start[name]), name  # every part has moved by step 4
+    assert {g.get("part") for g in opts[0].param_groups} == {"vision", None}
