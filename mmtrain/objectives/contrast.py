@@ -26,7 +26,7 @@ import torch
 
 from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import PackedBatch
-from mmtrain.objectives.mismatch import mismatch_media
+from mmtrain.objectives.mismatch import document_keys, mismatch_media
 from mmtrain.objectives.sums import Sums
 from mmtrain.objectives.terms import cat_rows, media_tokens, take_rows, token_losses
 
@@ -90,10 +90,7 @@ def extend(batch: PackedBatch) -> tuple[PackedBatch, ContrastRows | None]:
 def document_gaps(ce_real_RS: torch.Tensor, ce_swap_RS: torch.Tensor, rows: ContrastRows) -> torch.Tensor:
     """(D,) per contrasted document: mean over its selected tokens of swapped CE - own CE."""
     sel_RS = rows.selected_RS
-    span = int(rows.doc_ids_RS.max()) + 1
-    row_RS = torch.arange(sel_RS.shape[0], device=sel_RS.device)[:, None].expand_as(sel_RS)
-    key_T = (row_RS * span + rows.doc_ids_RS.long())[sel_RS]
-    _, doc_T = torch.unique(key_T, return_inverse=True)
+    _, doc_T = torch.unique(document_keys(rows.doc_ids_RS)[sel_RS], return_inverse=True)
     diff_T = (ce_swap_RS - ce_real_RS)[sel_RS]
     n_D = torch.bincount(doc_T).to(diff_T.dtype)
     return torch.zeros_like(n_D).index_add_(0, doc_T, diff_T) / n_D

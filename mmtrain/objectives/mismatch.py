@@ -14,6 +14,15 @@ import torch
 from mmtrain.data_pipelines.batch import PackedBatch
 
 
+def document_keys(doc_ids_BS: torch.Tensor) -> torch.Tensor:
+    """(B, S) int64: each token's document as one number, unique across rows (row * span + doc id;
+    padding, doc id -1, gets a key no document of any row has)."""
+    B, S = doc_ids_BS.shape
+    span = int(doc_ids_BS.max().clamp(min=0)) + 2
+    row_BS = torch.arange(B, device=doc_ids_BS.device)[:, None].expand(B, S)
+    return row_BS * span + doc_ids_BS.long()
+
+
 def mismatch_media(batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor]:
     """The batch with each document's media replaced by real media of other documents, and the
     (B, S) bool mask of the tokens of the documents that received at least one foreign medium.
@@ -33,10 +42,7 @@ def mismatch_media(batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor]:
     swapped_BS = torch.zeros(B, S, dtype=torch.bool, device=batch.doc_ids_BS.device)
     if M == 0:
         return batch, swapped_BS
-    # The document of each medium, from its placeholder tokens: key = row * span + doc id.
-    span = int(batch.doc_ids_BS.max().clamp(min=0)) + 2
-    row_BS = torch.arange(B, device=swapped_BS.device)[:, None].expand(B, S)
-    key_BS = row_BS * span + batch.doc_ids_BS.long()
+    key_BS = document_keys(batch.doc_ids_BS)  # the document of each medium, from its placeholders
     visual_BS = (batch.media_ids_BS >= 0) & (batch.doc_ids_BS >= 0)
     doc_M = torch.full((M,), -1, dtype=torch.long, device=key_BS.device)  # -1: no tokens
     doc_M = doc_M.scatter_(0, batch.media_ids_BS[visual_BS].long(), key_BS[visual_BS]).tolist()
