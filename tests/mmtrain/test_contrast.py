@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from objective_steps import make_trainer, one_step
 
 from mmtrain.config import apply_override, from_dict
 from mmtrain.errors import ConfigError
@@ -25,10 +26,7 @@ MARGIN = 0.2
 
 
 def _trainer(raw_for, tmp_path_factory, overrides=()) -> Trainer:
-    raw = raw_for(tmp_path_factory.mktemp("contrast"))
-    for item in ["data.batch_size=4", "train.ckpt_every=0", *overrides]:
-        apply_override(raw, item)
-    return Trainer(from_dict(RunConfig, raw, source="contrast-test"), verbose=False)
+    return make_trainer(raw_for, tmp_path_factory, "contrast", overrides)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +46,9 @@ def batch(contrasted):
 
 
 def _docs(extra: ContrastRows) -> int:
-    return len({(r, d) for r, d in zip(*extra.selected_RS.nonzero().T.tolist())
-                for d in [int(extra.doc_ids_RS[r, d])]})
+    """Documents (row, doc id) with a selected token."""
+    r_T, s_T = extra.selected_RS.nonzero(as_tuple=True)
+    return len(set(zip(r_T.tolist(), extra.doc_ids_RS[r_T, s_T].tolist())))
 
 
 def _eval_logits(model, batch):
@@ -89,24 +88,11 @@ def test_document_gaps_equal_a_loop_over_documents():
     torch.testing.assert_close(document_gaps(ce_real_RS, ce_swap_RS, rows), torch.tensor(expect))
 
 
-def _step(trainer: Trainer, batch):
-    """One micro-batch from the trainer's initial weights: (loss, grads, the step's sums)."""
-    trainer.model.train()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    sums = trainer.objective.begin_step(trainer.step)
-    loss = trainer.objective.micro_batch(batch, sums)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in trainer.raw_model.named_parameters() if p.grad is not None}
-    for moe in trainer.raw_model.moe_layers().values():
-        moe.load_E.zero_()
-    return loss.detach(), grads, sums
-
-
 def test_the_term_is_the_hinge_of_separate_forwards_and_logged_losses_stay(raw_for, tmp_path_factory,
                                                                          contrasted, batch):
     plain = _trainer(raw_for, tmp_path_factory)
-    loss0, grads0, sums0 = _step(plain, batch)
-    loss1, grads1, sums1 = _step(contrasted, batch)
+    loss0, grads0, sums0 = one_step(plain, batch)
+    loss1, grads1, sums1 = one_step(contrasted, batch)
     assert sums1.task_ce == sums0.task_ce and sums1.task_tokens == sums0.task_tokens  # same own rows
     # the reference: own and swapped forwards apart, a loop over the contrasted documents
     _, extra = extend(batch)
@@ -132,10 +118,10 @@ def test_with_identical_media_the_gradient_is_unchanged(raw_for, tmp_path_factor
     grey = blank_media(batch)
     no_aux = ["model.decoder.moe.seq_aux_weight=0", "model.decoder.moe.router_z_weight=0"]  # both are
     plain = _trainer(raw_for, tmp_path_factory, no_aux)  # means over every row, the copies' too
-    loss0, grads0, _ = _step(plain, grey)
+    loss0, grads0, _ = one_step(plain, grey)
     on = _trainer(raw_for, tmp_path_factory, [*no_aux, "loss.contrast.weight=1.0",
                                               f"loss.contrast.margin={MARGIN}"])
-    loss1, grads1, sums1 = _step(on, grey)
+    loss1, grads1, sums1 = one_step(on, grey)
     assert sums1.contrast.docs >= 2 and sums1.contrast.gap == pytest.approx(0.0, abs=1e-5)
     assert float(loss1 - loss0) == pytest.approx(MARGIN, abs=1e-5)
     assert grads1.keys() == grads0.keys()
@@ -146,8 +132,8 @@ def test_with_identical_media_the_gradient_is_unchanged(raw_for, tmp_path_factor
 def test_off_is_bit_identical(raw_for, tmp_path_factory, batch):
     plain = _trainer(raw_for, tmp_path_factory)
     off = _trainer(raw_for, tmp_path_factory, ["loss.contrast.weight=0", "loss.contrast.margin=0.5"])
-    loss0, grads0, sums0 = _step(plain, batch)
-    loss1, grads1, sums1 = _step(off, batch)
+    loss0, grads0, sums0 = one_step(plain, batch)
+    loss1, grads1, sums1 = one_step(off, batch)
     assert torch.equal(loss1, loss0) and sums1 == sums0
     assert all(torch.equal(grads1[n], g) for n, g in grads0.items())
 

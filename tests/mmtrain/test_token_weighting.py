@@ -12,11 +12,10 @@ import math
 
 import pytest
 import torch
+from objective_steps import make_trainer, one_step
 
-from mmtrain.config import apply_override, from_dict
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_IMAGE_TEXT, TASK_TEXT, TASK_VIDEO_TEXT
 from mmtrain.loop.trainer import Trainer
-from mmtrain.objectives.objective import StepSums
 from mmtrain.objectives.terms import (
     blank_media,
     media_tokens,
@@ -26,7 +25,6 @@ from mmtrain.objectives.terms import (
     task_losses,
 )
 from mmtrain.objectives.token_weighting import TokenWeightingSums
-from mmtrain.run_config import RunConfig
 
 
 # ----- the weights --------------------------------------------------------------------------------
@@ -89,10 +87,7 @@ def test_strength_zero_weights_are_exactly_one():
 
 # ----- the trainer --------------------------------------------------------------------------------
 def _trainer(raw_for, tmp_path_factory, overrides=()) -> Trainer:
-    raw = raw_for(tmp_path_factory.mktemp("tw"))
-    for item in ["data.batch_size=4", "train.ckpt_every=0", *overrides]:
-        apply_override(raw, item)
-    return Trainer(from_dict(RunConfig, raw, source="token-weighting-test"), verbose=False)
+    return make_trainer(raw_for, tmp_path_factory, "token-weighting", overrides)
 
 
 @pytest.fixture(scope="module")
@@ -167,30 +162,17 @@ def test_the_blank_forward_leaves_training_state_alone(weighted, batch):
     moe.load_E.zero_()
 
 
-def _step(trainer: Trainer, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], StepSums]:
-    """One micro-batch from the trainer's initial weights: (loss, grads, the step's sums)."""
-    trainer.model.train()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    sums = trainer.objective.begin_step(trainer.step)
-    loss = trainer.objective.micro_batch(batch, sums)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in trainer.raw_model.named_parameters() if p.grad is not None}
-    for moe in trainer.raw_model.moe_layers().values():
-        moe.load_E.zero_()
-    return loss.detach(), grads, sums
-
-
 def test_off_is_bit_identical_and_on_keeps_the_logged_losses(raw_for, tmp_path_factory, weighted, batch):
     plain = _trainer(raw_for, tmp_path_factory)  # no token_weighting in the config
     off = _trainer(raw_for, tmp_path_factory, ["loss.token_weighting.strength=0",
                                               "loss.token_weighting.floor=0.5"])
-    loss0, grads0, acc0 = _step(plain, batch)
-    loss1, grads1, acc1 = _step(off, batch)
+    loss0, grads0, acc0 = one_step(plain, batch)
+    loss1, grads1, acc1 = one_step(off, batch)
     assert torch.equal(loss1, loss0) and grads1.keys() == grads0.keys()
     assert all(torch.equal(grads1[n], g) for n, g in grads0.items())
     assert acc1 == acc0 and acc1.token_weighting.seconds == 0
     # on: the same forward (logged, balanced task losses unchanged), another objective and gradient
-    loss2, grads2, acc2 = _step(weighted, batch)
+    loss2, grads2, acc2 = one_step(weighted, batch)
     assert dataclasses.replace(acc2, token_weighting=TokenWeightingSums()) == acc0
     assert not torch.equal(loss2, loss0)
     assert any(not torch.equal(grads2[n], g) for n, g in grads0.items())
