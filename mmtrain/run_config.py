@@ -116,9 +116,6 @@ class RunConfig:
         if self.loss.contrast.weight:
             raise ValueError("dist.cp: > 1 does not combine with loss.contrast (its swapped-media copies "
                              "are whole rows added to the forward)")
-        if self.loss.visual_next.weight:
-            raise ValueError("dist.cp: > 1 does not combine with loss.visual_next.weight > 0 (a visual "
-                             "token's next one may sit in another rank's chunk of the row)")
 
     def _check_objectives(self) -> None:
         if self.loss.visual_ssl.weight > 0 and not self.model.vision.ssl_head:

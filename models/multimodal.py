@@ -21,7 +21,7 @@ from .counting import ParamCount, count_params, flops_per_token
 from .decoder import Decoder, DecoderConfig
 from .moe import MoE
 from .vision import VisionConfig, VisionEncoder
-from .visual_next import predicting_positions
+from .visual_next import chunk_pairs, predicting_positions
 
 Tensor = torch.Tensor
 
@@ -86,12 +86,15 @@ class MultimodalModel(nn.Module):
     def visual_next_pred(self, hidden_BSD: Tensor, modality_BS: Tensor, grid_thw_M3: Tensor,
                          context: ContextShard | None = None) -> Tensor:
         """(K, merge^2 * P) the head's pixels of each visual token's next token in its medium, in
-        `visual_next.next_pairs` order (K = 0 without media: still tied to the head, for DDP)."""
+        `visual_next.next_pairs` order (K = 0 without media: still tied to the head, for DDP); with
+        `context`, only those whose position is in this rank's chunk (`visual_next.chunk_pairs`)."""
         if self.visual_head is None:
             raise ValueError("visual_head: visual_next needs ModelConfig(visual_head=True)")
-        if context is not None:  # the pairs cross the ranks' chunks of a row
-            raise ValueError("visual_next: not available under context parallelism")
-        b_K, s_K = predicting_positions(modality_BS, grid_thw_M3, self.cfg.vision.merge)
+        merge = self.cfg.vision.merge
+        if context is not None:  # whole rows in, this rank's chunk of hidden states: its own positions
+            b_k, s_k, _ = chunk_pairs(modality_BS, grid_thw_M3, merge, context.lo, context.hi)
+            return self.visual_head(hidden_BSD[b_k, s_k])
+        b_K, s_K = predicting_positions(modality_BS, grid_thw_M3, merge)
         return self.visual_head(hidden_BSD[b_K, s_K])
 
     def logits(self, hidden_BSD: Tensor) -> Tensor:

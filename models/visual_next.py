@@ -47,6 +47,15 @@ def predicting_positions(modality_BS: Tensor, grid_thw_M3: Tensor, merge: int) -
     return b_Q[src_K], s_Q[src_K]
 
 
+def chunk_pairs(modality_BS: Tensor, grid_thw_M3: Tensor, merge: int, lo: int, hi: int
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Context parallelism: of `predicting_positions` (whole rows), the ones in this rank's chunk
+    lo .. hi of every row -> (b_k, s_k - lo, keep_K bool over next_pairs' order)."""
+    b_K, s_K = predicting_positions(modality_BS, grid_thw_M3, merge)
+    keep_K = (s_K >= lo) & (s_K < hi)
+    return b_K[keep_K], s_K[keep_K] - lo, keep_K
+
+
 def merged_pixels(patches_NP: Tensor, grid_thw_M3: Tensor, merge: int) -> Tensor:
     """(Q, T) every merged token's raw pixels: its merge^2 patches in (i, j) order, concatenated."""
     _, _, src_N = patch_layout(grid_thw_M3, patches_NP.shape[0], merge)

@@ -33,6 +33,7 @@ from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TEXT, PackedBatch
 from mmtrain.models.attention.counts import ATTN_COUNTS
 from mmtrain.models.vision import make_ssl_mask
+from mmtrain.models.visual_next import chunk_pairs
 from mmtrain.objectives.balance import BalanceConfig, Balancer
 from mmtrain.objectives.contrast import ContrastConfig, ContrastSums, contrast_term, extend
 from mmtrain.objectives.sums import Sums
@@ -206,8 +207,7 @@ class Objective:
             sums.visual_ssl += float(out.visual_ssl.detach())
         if out.visual_next_KT is not None:  # the same: a mean over this rank's predicted tokens
             # (the forward's media: with the contrast, the copies' too)
-            vn = visual_next_loss(out.visual_next_KT, inputs["patches_NP"], inputs["grid_thw_M3"],
-                                  self.cfg.model.vision.merge, next_cfg.normalize)
+            vn = self._visual_next(out.visual_next_KT, inputs)
             loss = loss + next_cfg.weight * vn / world
             sums.visual_next += float(vn.detach())
         if extra is not None:  # a mean per rank, as visual_ssl
@@ -239,6 +239,18 @@ class Objective:
         if self.cp_rank == 0:  # the media are whole on every rank of a cp group
             sums.media += batch.grid_thw_M3.shape[0]
             sums.patches += batch.patches_NP.shape[0]
+
+    def _visual_next(self, pred_KT: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """The visual next-token term of this rank. Context parallelism: its chunk's squared errors
+        over the group's count, times the group size -- so that the group's terms over `world` add
+        up to the rows' mean over data-parallel ranks, as a mean per rank does without it."""
+        merge, normalize = self.cfg.model.vision.merge, self.cfg.loss.visual_next.normalize
+        if self.context is None:
+            return visual_next_loss(pred_KT, inputs["patches_NP"], inputs["grid_thw_M3"], merge, normalize)
+        c = self.context
+        keep_K = chunk_pairs(inputs["modality_BS"], inputs["grid_thw_M3"], merge, c.lo, c.hi)[2]
+        vn = visual_next_loss(pred_KT, inputs["patches_NP"], inputs["grid_thw_M3"], merge, normalize, keep_K)
+        return vn * c.comm.size
 
     def _ssl_mask(self, batch: PackedBatch) -> torch.Tensor:
         """Which patches the masked-patch term hides: a pure function of (seed, step, data-parallel

@@ -86,12 +86,17 @@ def reweighted(losses: TaskLosses, weights_BS: torch.Tensor, labels_BS: torch.Te
 
 
 def visual_next_loss(pred_KT: torch.Tensor, patches_NP: torch.Tensor, grid_thw_M3: torch.Tensor,
-                     merge: int, normalize: bool) -> torch.Tensor:
+                     merge: int, normalize: bool, keep_K: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 MSE of the visual head's pixels (`ModelOutput.visual_next_KT`) against the next tokens'
     (models/visual_next.py), mean over the predicted tokens and their values. No token with a
-    target (no media, or one-token media): 0, still tied to the head (DDP wants its gradient)."""
+    target (no media, or one-token media): 0, still tied to the head (DDP wants its gradient).
+    `keep_K` (context parallelism: the pairs in this rank's chunk, `visual_next.chunk_pairs`): the
+    squared errors of those tokens over the whole rows' count, so the ranks' terms add up to it."""
     target_KT = next_targets(patches_NP, grid_thw_M3, merge, normalize)
-    return (pred_KT.float() - target_KT).square().sum() / max(target_KT.numel(), 1)
+    count = max(target_KT.numel(), 1)
+    if keep_K is not None:
+        target_KT = target_KT[keep_K.to(target_KT.device)]
+    return (pred_KT.float() - target_KT).square().sum() / count
 
 
 def media_tokens(labels_BS: torch.Tensor, task_BS: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,7 @@ CONTEXT_MESHES = {  # (ranks, rows, overrides)
     "cp2": (2, 2, ["dist.cp=2"]),
     "cp4": (4, 2, ["dist.cp=4"]),
     "cp2-token-select": (2, 2, ["dist.cp=2", "model.decoder.attention.select=token"]),
+    "cp2-visual-next": (2, 2, ["dist.cp=2", "model.visual_head=true", "loss.visual_next.weight=1"]),
     "fsdp2-cp2-ep2": (4, 4, ["dist.cp=2", "dist.ep=2"]),
 }
 
@@ -103,9 +104,10 @@ CONTEXT_MESHES = {  # (ranks, rows, overrides)
 @pytest.mark.parametrize("mesh", list(CONTEXT_MESHES))
 def test_context_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
     """Every row split across the cp ranks (documents, images and frames straddle the chunks;
-    sparse layers select): the losses and grad norms of one process holding the whole rows."""
+    sparse layers select; a visual token's next one may be on the other rank): the losses and grad
+    norms of one process holding the whole rows."""
     nproc, rows, overrides = CONTEXT_MESHES[mesh]
-    base = [f"data.batch_size={rows}", *CP, *(o for o in overrides if "select" in o)]
+    base = [f"data.batch_size={rows}", *CP, *(o for o in overrides if not o.startswith("dist."))]
     one_cfg = write_config(raw_for, tmp_path / "one", base)
     launch([str(WORKER), "parity", str(one_cfg), str(tmp_path / "one.json"), "4"])
     config = write_config(raw_for, tmp_path / "run", [*base, *overrides])
