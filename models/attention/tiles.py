@@ -4,12 +4,14 @@ A tile's listed blocks are of two kinds. *Visible* blocks -- earlier blocks of t
 document that the block rule keeps for every token of the tile -- need no mask; the rest (the
 own block, a visual span's blocks, per-token picks, null padding) do. Per chunk of tiles, the
 last `Fc` visible blocks of each tile (Fc: the chunk's fewest) run in unmasked fused calls and
-the rest in one masked call (causal without a mask when it is just the own text block), merged
-by their log-sum-exps: no masked-out key of a visible block is computed. Blocks that slide with
-the tile (the window: tile c reads blocks first + c ..) are read as an overlapping strided view
-of the K/V table, not gathered. The backward gives each call's fused backward the merged output
-and log-sum-exp (so each call's probabilities are the whole softmax's), re-reads K/V instead of
-saving copies, and adds every gradient into one K/V buffer: no forward is replayed.
+the rest in one masked call (causal without a mask when it is just the own text block, and then
+read together with a window that ends just before it: one call, one causal mask shared by every
+tile), merged by their log-sum-exps: no masked-out key of a visible block is computed. Blocks that
+slide with the tile (the window: tile c reads blocks first + c ..) are read as an overlapping
+strided view of the K/V table, not gathered, and their gradients added back by slices. The
+backward gives each call's fused backward the merged output and log-sum-exp (so each call's
+probabilities are the whole softmax's), re-reads K/V instead of saving copies, and adds every
+gradient into one K/V buffer: no forward is replayed.
 
 Legend: B batch, G selection heads, K kv heads, Y query tiles, A aligned blocks, Bs block size,
 M = R * Bs rows of a tile (R query heads per selection head), D head dim, C tiles in a chunk,
@@ -43,6 +45,7 @@ class Part:
     mask_nCbJ: Tensor | None = None  # bool, the rule over the blocks (None: all visible)
     any_nCb: Tensor | None = None  # bool: the token attends some key of the call
     causal: bool = False  # the own text block only: is_causal, no mask
+    bias_bJ: Tensor | None = None  # one additive mask for every tile (the window + own causal block)
 
 
 @dataclass
@@ -127,10 +130,30 @@ def plan_chunks(meta: AttnMeta, cfg: AttentionConfig, sel: Selection, lists_BGAT
             tile_11C = torch.arange(c0, c0 + n, device=idx_BGCT.device).view(1, 1, n)
             own = rest_BGCP.shape[-1] == 1 and bool((rest_BGCP[..., 0] == tile_11C).all())
             causal = own and not bool(lay.vis_BA[:, c0:c0 + n].any())  # own text blocks: causal inside
-            parts.append(Part(rest_BGCP.masked_fill(rest_BGCP == A, 0).flatten(0, 1), None,
-                              mask_BGCbJ.flatten(0, 1), mask_BGCbJ.any(-1).flatten(0, 1), causal))
+            rows_nCP = rest_BGCP.masked_fill(rest_BGCP == A, 0).flatten(0, 1)
+            any_nCb = None if causal else mask_BGCbJ.any(-1).flatten(0, 1)  # causal: every token sees itself
+            parts.append(Part(rows_nCP, _sliding(rows_nCP) if causal else None, mask_BGCbJ.flatten(0, 1),
+                              any_nCb, causal))
+            parts = _window_with_own(parts, c0, Bs)
         plans.append(ChunkPlan(c0 - t0, n, parts))
     return plans
+
+
+def _window_with_own(parts: list[Part], c0: int, Bs: int) -> list[Part]:
+    """The own causal block read with the window that ends just before it: one sliding call whose
+    mask (the same for every tile) is causal over its last block, instead of a second small call."""
+    own = parts[-1]
+    win = next((p for p in parts[:-1] if p.first_n is not None), None)
+    if not own.causal or win is None or own.first_n is None:
+        return parts
+    Tw = win.rows_nCT.shape[-1]
+    if any(f != c0 - Tw for f in win.first_n) or any(f != c0 for f in own.first_n):
+        return parts
+    dev = own.rows_nCT.device
+    bias_bJ = torch.zeros(Bs, (Tw + 1) * Bs, device=dev)
+    bias_bJ[:, Tw * Bs:].masked_fill_(torch.ones(Bs, Bs, dtype=torch.bool, device=dev).triu(1), -math.inf)
+    both = Part(torch.cat([win.rows_nCT, own.rows_nCT], -1), win.first_n, bias_bJ=bias_bJ)
+    return [p for p in parts[:-1] if p is not win] + [both]
 
 
 def _tiles(x_BHLD: Tensor, b: int, h: int, y0: int, shape: tuple[int, ...]) -> Tensor:
@@ -154,6 +177,8 @@ def _read(x_BKLD: Tensor, b: int, h: int, part: Part, i: int, Bs: int) -> Tensor
 
 
 def _bias(part: Part, i: int, dtype: torch.dtype) -> Tensor | None:
+    if part.bias_bJ is not None:
+        return part.bias_bJ.to(dtype)[None, None]
     if part.mask_nCbJ is None or part.causal:
         return None
     mask_CbJ = part.mask_nCbJ[i]
@@ -217,6 +242,20 @@ def tiles_forward(q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, plans: list[Ch
     return out_BHYD, lse_BHY1
 
 
+def _add_rows(d_AbD: Tensor, g_C1JD: Tensor, part: Part, i: int) -> None:
+    """Adds one call's K (or V) gradient into the blocks it read: T slice adds where the call read a
+    sliding view (tile c's t-th block is first + c + t), one index_add over flat rows otherwise."""
+    A, Bs, D = d_AbD.shape
+    C, T = part.rows_nCT.shape[1:]
+    g_CTbD = g_C1JD.reshape(C, T, Bs, D)
+    if part.first_n is not None:
+        f = part.first_n[i]
+        for t in range(T):
+            d_AbD[f + t:f + t + C].add_(g_CTbD[:, t])
+    else:  # 2-D rows: index_add's scatter over (A, Bs, D) is slower
+        d_AbD.view(A, Bs * D).index_add_(0, part.rows_nCT[i].reshape(-1), g_CTbD.view(C * T, Bs * D))
+
+
 def tiles_backward(grad_BHYD: Tensor, q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, out_BHYD: Tensor,
                    lse_BHY1: Tensor, plans: list[ChunkPlan], G: int, Bs: int, scale: float
                    ) -> tuple[Tensor, Tensor, Tensor]:
@@ -236,9 +275,8 @@ def tiles_backward(grad_BHYD: Tensor, q_BHYD: Tensor, k_BKLD: Tensor, v_BKLD: Te
             mask = _bias(part, i, q.dtype)
             gq, gk, gv = _BWD(dout, q, k, v, out, lse, 0.0, part.causal, attn_mask=mask, scale=scale)
             dq = gq if dq is None else dq.add_(gq)
-            rows = part.rows_nCT[i].reshape(-1)
-            dk_BKAbD[b, h].index_add_(0, rows, gk.view(-1, Bs, D))
-            dv_BKAbD[b, h].index_add_(0, rows, gv.view(-1, Bs, D))
+            _add_rows(dk_BKAbD[b, h], gk, part, i)
+            _add_rows(dv_BKAbD[b, h], gv, part, i)
         _tiles(dq_BHYD, b, h0, plan.y0, shape).copy_(0 if dq is None else dq)
     return dq_BHYD, dk_BKAbD.view(B, K, L, D), dv_BKAbD.view(B, K, L, D)
 

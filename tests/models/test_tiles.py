@@ -47,6 +47,7 @@ def _kinds(meta, cfg, q, k) -> set[str]:
     for plan in plan_chunks(meta, cfg, sel, lists_BGAT, 0, meta.aligned().aligned_blocks, q.shape[-1]):
         for p in plan.parts:
             kinds.add("causal" if p.causal else "masked" if p.mask_nCbJ is not None
+                      else "window+own" if p.bias_bJ is not None
                       else "sliding" if p.first_n is not None else "gathered")
     return kinds
 
@@ -63,7 +64,8 @@ def test_long_documents_take_every_call_kind_and_match_dense(seed):
     cfg = AttentionConfig(backend="gather", gather_kernel="tiles", gather_chunk=random.randint(2, 9),
                           **common)
     kinds = _kinds(meta, cfg, q, k)
-    assert {"sliding", "masked"} <= kinds and ("causal" in kinds or image), kinds
+    assert "masked" in kinds and {"sliding", "window+own"} & kinds, kinds
+    assert image or {"causal", "window+own"} & kinds, kinds
     ref = _grads(q, k, v, meta, AttentionConfig(backend="dense", dense_impl="eager", **common), w)
     for name, a, b in zip(("out", "dq", "dk", "dv"), _grads(q, k, v, meta, cfg, w), ref):
         assert rel_err(a, b) < 1e-10, f"seed={seed} {name} {rel_err(a, b):.2e} {kinds}"
