@@ -1,9 +1,9 @@
 """`mmtrain-attn` (also `mmtrain attn`): where text tokens look in images and video.
 
-    mmtrain-attn --ckpt runs/tiny/step_600 --image shapes.png --text "a red circle" --out attn/
-    mmtrain-attn --ckpt runs/tiny/step_600 --shard data/shapes/val/video-000000.tar --key vid_00000003 \
+    mmtrain-attn --ckpt runs/tiny --image shapes.png --text "a red circle" --out attn/
+    mmtrain-attn --ckpt runs/tiny --shard data/shapes/val/video-000000.tar --key vid_00000003 \
         --out attn/
-    mmtrain-attn --ckpt runs/tiny/step_600 --from-val 50 --out attn-val/
+    mmtrain-attn --ckpt runs/tiny --from-val 50 --out attn-val/
 
 Writes OUT/report.html (self-contained), OUT/metrics.json and the pictures (see docs/ATTENTION_MAPS.md).
 This module imports only argparse at import time: `mmtrain` builds its parser from it.
