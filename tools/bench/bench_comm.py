@@ -151,6 +151,7 @@ def tiny_model_cfg(vocab: int = TINY_VOCAB):
 
     cfg = load_config(RunConfig, REPO / "configs" / "tiny.yaml")
     cfg.model.decoder.vocab_size = vocab
+    cfg.model.visual_head = False  # the measured step is a text-only LM loss: the visual head has no gradient
     return cfg
 
 
