@@ -52,23 +52,36 @@ def _kinds(meta, cfg, q, k) -> set[str]:
     return kinds
 
 
-def test_long_documents_take_every_call_kind_and_match_dense(seed):
+def _kinds_match_dense(seed: int, image: bool, window_blocks: int) -> set[str]:
+    """Random long documents through the tile kernel against the dense eager reference (outputs and
+    gradients); -> the call kinds the kernel planned."""
     B, H, K, D, Bs = 2, 4, 2, 16, 8
     S = random.randint(40, 70) * Bs
-    image = random.random() < 0.5
     meta = build_meta(*_long_docs(B, S, Bs, image), Bs)
     q, k, v = random_qkv(B, H, K, S, D, dtype=torch.float64)
     w = torch.randn(B, H, S, D, dtype=torch.float64)
-    common = dict(block_size=Bs, window=random.choice([2, 4]) * Bs, top_k=random.choice([1, 3]),
+    common = dict(block_size=Bs, window=window_blocks * Bs, top_k=random.choice([1, 3]),
                   sink=random.random() < 0.7, select_per=random.choice(["kv_group", "head"]))
     cfg = AttentionConfig(backend="gather", gather_kernel="tiles", gather_chunk=random.randint(2, 9),
                           **common)
     kinds = _kinds(meta, cfg, q, k)
-    assert "masked" in kinds and {"sliding", "window+own"} & kinds, kinds
-    assert image or {"causal", "window+own"} & kinds, kinds
     ref = _grads(q, k, v, meta, AttentionConfig(backend="dense", dense_impl="eager", **common), w)
     for name, a, b in zip(("out", "dq", "dk", "dv"), _grads(q, k, v, meta, cfg, w), ref):
         assert rel_err(a, b) < 1e-10, f"seed={seed} {name} {rel_err(a, b):.2e} {kinds}"
+    return kinds
+
+
+def test_long_documents_take_every_call_kind_and_match_dense(seed):
+    """Text: the own causal block rides with the window ("window+own"); an image's span blocks keep
+    the window a plain sliding call beside the masked one."""
+    image = random.random() < 0.5
+    kinds = _kinds_match_dense(seed, image, random.choice([2, 4]))
+    assert "masked" in kinds and ("sliding" if image else "window+own") in kinds, kinds
+
+
+def test_without_a_window_the_own_text_block_is_a_causal_call_and_matches_dense(seed):
+    kinds = _kinds_match_dense(seed, image=False, window_blocks=0)
+    assert "causal" in kinds and "window+own" not in kinds, kinds
 
 
 def test_strided_inputs_give_the_same_result(seed):
