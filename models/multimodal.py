@@ -91,10 +91,10 @@ class MultimodalModel(nn.Module):
         if self.visual_head is None:
             raise ValueError("visual_head: visual_next needs ModelConfig(visual_head=True)")
         merge = self.cfg.vision.merge
-        if context is not None:  # whole rows in, this rank's chunk of hidden states: its own positions
-            b_k, s_k, _ = chunk_pairs(modality_BS, grid_thw_M3, merge, context.lo, context.hi)
-            return self.visual_head(hidden_BSD[b_k, s_k])
-        b_K, s_K = predicting_positions(modality_BS, grid_thw_M3, merge)
+        if context is None:
+            b_K, s_K = predicting_positions(modality_BS, grid_thw_M3, merge)
+        else:  # whole rows in, this rank's chunk of hidden states: its own positions
+            b_K, s_K, _ = chunk_pairs(modality_BS, grid_thw_M3, merge, context.lo, context.hi)
         return self.visual_head(hidden_BSD[b_K, s_K])
 
     def logits(self, hidden_BSD: Tensor) -> Tensor:

@@ -244,13 +244,12 @@ class Objective:
         """The visual next-token term of this rank. Context parallelism: its chunk's squared errors
         over the group's count, times the group size -- so that the group's terms over `world` add
         up to the rows' mean over data-parallel ranks, as a mean per rank does without it."""
-        merge, normalize = self.cfg.model.vision.merge, self.cfg.loss.visual_next.normalize
-        if self.context is None:
-            return visual_next_loss(pred_KT, inputs["patches_NP"], inputs["grid_thw_M3"], merge, normalize)
-        c = self.context
-        keep_K = chunk_pairs(inputs["modality_BS"], inputs["grid_thw_M3"], merge, c.lo, c.hi)[2]
-        vn = visual_next_loss(pred_KT, inputs["patches_NP"], inputs["grid_thw_M3"], merge, normalize, keep_K)
-        return vn * c.comm.size
+        merge, c = self.cfg.model.vision.merge, self.context
+        keep_K = None if c is None else chunk_pairs(inputs["modality_BS"], inputs["grid_thw_M3"], merge,
+                                                    c.lo, c.hi)[2]
+        vn = visual_next_loss(pred_KT, inputs["patches_NP"], inputs["grid_thw_M3"], merge,
+                              self.cfg.loss.visual_next.normalize, keep_K)
+        return vn if c is None else vn * c.comm.size
 
     def _ssl_mask(self, batch: PackedBatch) -> torch.Tensor:
         """Which patches the masked-patch term hides: a pure function of (seed, step, data-parallel
