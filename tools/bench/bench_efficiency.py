@@ -3,6 +3,7 @@
     python -m tools.bench.bench_efficiency                       # default + long settings, 4k/16k/64k
     python -m tools.bench.bench_efficiency --settings default --seq 4096 16384 --repeats 3
     python -m tools.bench.bench_efficiency --device cuda          # flex's sparse vs full layers (bf16)
+    python -m tools.bench.bench_efficiency --breakdown --settings default --seq 16384   # CPU kernel's calls
 
 One attention layer, forward + backward, on one text document of S tokens (random q, k, v): the
 fused full layer (the backend `auto` runs there: sdpa on CPU, flash / flex on CUDA) and the
@@ -39,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--sparse-backend", default="auto", help="backend of the sparse layer (auto)")
     p.add_argument("--image-every", type=int, default=0, help="a 256-token image span every N tokens")
+    p.add_argument("--breakdown", action="store_true",
+                   help="CPU tile kernel: the fused calls' share of the sparse layer, pairs computed vs "
+                        "kept, ns per pair by kind of call")
     return p.parse_args(argv)
 
 
@@ -112,11 +116,76 @@ def measure(S: int, name: str, args) -> dict:
             "select_share": med["select"] / med["sparse"]}
 
 
+def breakdown(S: int, name: str, args) -> dict:
+    """Where the CPU tile kernel's time goes: the sparse layer's fwd+bwd (median of `--repeats` after
+    a warm-up) with its fused calls timed one by one (tiles._FWD / _BWD wrapped), grouped by kind
+    ("plain": no mask, "bias": an additive mask, "causal") and direction; `computed` counts the
+    query-key pairs the calls evaluate (masked ones included), `kept` those the rule keeps."""
+    import collections
+
+    import torch
+
+    from mmtrain.models.attention import AttentionConfig, attend, select_blocks, tiles
+    from mmtrain.models.attention.counts import sparse_counts
+
+    s = SETTINGS[name]
+    meta, (q, k, v), dout = _inputs(S, s, args.image_every, torch.device("cpu"), torch.float32)
+    cfg = AttentionConfig(block_size=s["block_size"], window=s["window"], top_k=s["top_k"])
+    secs, calls, pairs = collections.Counter(), collections.Counter(), collections.Counter()
+
+    def timed(op, direction, first_q, causal_at):
+        def call(*a, attn_mask=None, scale=None):
+            q_, k_, causal = a[first_q], a[first_q + 1], a[causal_at]
+            kind = (direction, "causal" if causal else "plain" if attn_mask is None else "bias")
+            t0 = time.perf_counter()
+            out = op(*a, attn_mask=attn_mask, scale=scale)
+            secs[kind] += time.perf_counter() - t0
+            calls[kind] += 1
+            pairs[kind] += q_.shape[0] * q_.shape[1] * q_.shape[2] * k_.shape[2]
+            return out
+        return call
+
+    def run() -> float:
+        q.grad = k.grad = v.grad = None
+        t0 = time.perf_counter()
+        attend(q, k, v, meta, cfg, sparse=True).backward(dout)
+        return time.perf_counter() - t0
+
+    fwd, bwd = tiles._FWD, tiles._BWD
+    run()  # warm-up, untimed
+    tiles._FWD, tiles._BWD = timed(fwd, "fwd", 0, 4), timed(bwd, "bwd", 1, 7)
+    try:
+        total = statistics.median(run() for _ in range(max(1, args.repeats)))
+    finally:
+        tiles._FWD, tiles._BWD = fwd, bwd
+    n = max(1, args.repeats)
+    with torch.no_grad():
+        kept = float(sparse_counts(meta, cfg, select_blocks(q, k, meta, cfg))["keys"]) * s["heads"]
+    computed = sum(p for (d, _), p in pairs.items() if d == "fwd") / n
+    return {"total": total, "kernel": sum(secs.values()) / n, "computed": computed, "kept": kept,
+            "kinds": {kind: (calls[kind] // n, secs[kind] / n, pairs[kind] / n) for kind in sorted(secs)}}
+
+
+def print_breakdown(name: str, S: int, r: dict) -> None:
+    print(f"\n{name} S={S}: sparse layer {r['total'] * 1e3:.1f} ms, fused calls {r['kernel'] * 1e3:.1f} ms "
+          f"({r['kernel'] / r['total']:.0%}); pairs computed / kept {r['computed'] / r['kept']:.3f}")
+    print("| call | kind | calls | ms | pairs (M) | ns / pair |")
+    print("|---|---|---|---|---|---|")
+    for (direction, kind), (n, sec, p) in r["kinds"].items():
+        ns = sec * 1e9 / max(p, 1)
+        print(f"| {direction} | {kind} | {n} | {sec * 1e3:.1f} | {p / 1e6:.1f} | {ns:.2f} |")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.breakdown:
+        for name in args.settings:
+            for S in args.seq:
+                print_breakdown(name, S, breakdown(S, name, args))
+        return
     print(f"one layer fwd+bwd, one text document, {args.device}, {args.threads} threads, "
           f"medians of {args.repeats} (efficiency = t_full x kept / t_sparse)\n")
     print("| settings | S | full (s) | sparse (s) | kept | efficiency | sparse / full | select share |")
