@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ffn import swiglu
-from .grouped_mm import aligned_layout, group_align, grouped_mm_op, grouped_mm_supported
+from .grouped_mm import aligned_layout, group_align, grouped_mm_op, grouped_mm_supported, strides_aligned
 
 Tensor = torch.Tensor
 
@@ -36,6 +36,7 @@ class ExpertPath:
     supported: Callable[[str, torch.dtype], bool]  # (device type, compute dtype) -> runs here
     host_sync: bool  # reads the loads on the host (a graph break under torch.compile)
     auto: bool  # a candidate of `dispatch: auto`, tried in registry order
+    fits: Callable[[torch.dtype, int, int], bool] = lambda dtype, D, F: True  # (dtype, D, F) -> shapes run
 
 
 EXPERT_PATHS: dict[str, ExpertPath] = {}
@@ -54,11 +55,14 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-def resolve_path(name: str, x: Tensor) -> ExpertPath:
+def resolve_path(name: str, x: Tensor, hidden: int | None = None) -> ExpertPath:
+    """The named path, or auto's pick for x's device and compute dtype (and the shapes D = x's last
+    dim and F = hidden, when given)."""
     if name != "auto":
         return EXPERT_PATHS[name]
-    dev, dtype = x.device.type, compute_dtype(x)
-    return next(p for p in EXPERT_PATHS.values() if p.auto and p.supported(dev, dtype))
+    dev, dtype, D = x.device.type, compute_dtype(x), x.shape[-1]
+    return next(p for p in EXPERT_PATHS.values() if p.auto and p.supported(dev, dtype)
+                and (hidden is None or p.fits(dtype, D, hidden)))
 
 
 def _grouped(x_RD: Tensor, counts_E: Tensor, w_in_EDF2: Tensor, w_out_EFD: Tensor) -> Tensor:
@@ -99,7 +103,8 @@ def _loop(x_RD: Tensor, counts_E: Tensor, w_in_EDF2: Tensor, w_out_EFD: Tensor) 
     return torch.cat(outs)
 
 
-register_expert_path(ExpertPath("grouped_mm", _grouped, grouped_mm_supported, host_sync=False, auto=True))
+register_expert_path(ExpertPath("grouped_mm", _grouped, grouped_mm_supported, host_sync=False, auto=True,
+                                fits=strides_aligned))
 register_expert_path(ExpertPath("batched", _batched, lambda dev, dtype: True, host_sync=True, auto=True))
 register_expert_path(ExpertPath("loop", _loop, lambda dev, dtype: True, host_sync=True, auto=False))
 
@@ -128,7 +133,7 @@ class Experts(nn.Module):
         dt = compute_dtype(x_RD)
         # no rows (an expert-parallel rank nobody sent to): batched still yields zero weight
         # gradients, so every rank's FSDP reduces the same parameters
-        path = resolve_path(self.path, x_RD) if x_RD.shape[0] else EXPERT_PATHS["batched"]
+        path = resolve_path(self.path, x_RD, w_out.shape[1]) if x_RD.shape[0] else EXPERT_PATHS["batched"]
         return path.run(x_RD.to(dt), counts_E, w_in.to(dt), w_out.to(dt))
 
 

@@ -29,6 +29,12 @@ def group_align(dtype: torch.dtype) -> int:
     return GROUP_ALIGN_ROWS.get(dtype, 8)
 
 
+def strides_aligned(dtype: torch.dtype, *dims: int) -> bool:
+    """grouped_mm also wants every row stride a multiple of 16 bytes: the model dim D and the expert
+    dim F (checked on the host, a RuntimeError mid-step; `auto` picks another path instead)."""
+    return all(d * dtype.itemsize % 16 == 0 for d in dims)
+
+
 def aligned_layout(counts_E: Tensor, R: int, align: int) -> tuple[Tensor, Tensor, int]:
     """Where each of R expert-sorted rows goes in a padded buffer of L rows, and the group ends.
 

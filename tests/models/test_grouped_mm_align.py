@@ -51,12 +51,14 @@ def test_layout_puts_every_row_in_its_experts_aligned_group(align: int) -> None:
         assert (dest_R.diff() > 0).all()  # order kept within and across groups
 
 
-@pytest.mark.parametrize("align", [8, 16])
-def test_padded_grouped_mm_matches_the_loop_forward_and_backward(align: int, monkeypatch) -> None:
-    monkeypatch.setitem(gm.GROUP_ALIGN_ROWS, torch.float32, align)
+@pytest.mark.parametrize("dtype, align", [(torch.float32, 8), (torch.float32, 16), (torch.bfloat16, None)])
+def test_padded_grouped_mm_matches_the_loop_forward_and_backward(dtype, align, monkeypatch) -> None:
+    if align is not None:  # fp32 under fp8's alignment too; bf16 under its own (the production one)
+        monkeypatch.setitem(gm.GROUP_ALIGN_ROWS, dtype, align)
+    align, tol = gm.group_align(dtype), 1e-4 if dtype == torch.float32 else 3e-2
     seen = spy_offsets(monkeypatch)
     gen = torch.Generator().manual_seed(100 + align)
-    E, D, F = 5, 16, 12
+    E, D, F = 5, 16, 24  # row strides of 16 bytes (strides_aligned) in bf16
     for _ in range(4):
         counts_E, R = random_counts(gen, E)
         x_RD = torch.randn(R, D, generator=gen)
@@ -66,12 +68,12 @@ def test_padded_grouped_mm_matches_the_loop_forward_and_backward(align: int, mon
         g_RD = torch.randn(R, D, generator=gen)
         grads = []
         for name in ("grouped_mm", "loop"):
-            leaves = [t.clone().requires_grad_(True) for t in (x_RD, w_in, w_out)]
+            leaves = [t.to(dtype).requires_grad_(True) for t in (x_RD, w_in, w_out)]
             y_RD = EXPERT_PATHS[name].run(leaves[0], counts_E, leaves[1], leaves[2])
             (y_RD * g_RD).sum().backward()
             grads.append([y_RD.detach()] + [t.grad for t in leaves])
         for got, want in zip(*grads):
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max(), rtol=tol)
     assert seen and all((o % align == 0).all() for o in seen)
 
 
@@ -81,3 +83,18 @@ def test_probe_accepts_the_padded_layout_and_sends_only_aligned_offsets(monkeypa
         ok = gm._grouped_mm_probe.__wrapped__("cpu", dtype)
         assert ok or dtype != torch.float32  # this CPU build runs fp32 grouped_mm
     assert seen and all((o % gm.group_align(torch.bfloat16) == 0).all() for o in seen)
+
+
+def test_auto_leaves_grouped_mm_when_a_row_stride_is_not_16_bytes() -> None:
+    """bf16 F = 12: 24-byte rows, which grouped_mm refuses mid-step; auto takes batched instead."""
+    from mmtrain.models.moe.experts import Experts, resolve_path
+
+    x_RD = torch.randn(9, 16, dtype=torch.bfloat16)
+    assert resolve_path("auto", x_RD, 16).name == "grouped_mm"
+    assert resolve_path("auto", x_RD, 12).name == "batched"
+    experts = Experts(4, 16, 12)
+    experts.reset_parameters()
+    counts_E = torch.tensor([3, 0, 4, 2])
+    y_RD = experts(x_RD, counts_E)  # runs (grouped_mm would raise here)
+    w_in, w_out = experts.w_in_EDF2.bfloat16(), experts.w_out_EFD.bfloat16()
+    torch.testing.assert_close(y_RD, EXPERT_PATHS["loop"].run(x_RD, counts_E, w_in, w_out))
