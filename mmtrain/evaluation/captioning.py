@@ -11,8 +11,8 @@ object i is a hit when the i-th a-word of the generated caption equals the refer
 hits / reference words, over the whole set.
 
 Corpora without such attributes: the eval is skipped with a note. Under torchrun every rank
-captions its share of the prompts (from a local unsharded replica when the model is FSDP-sharded)
-and the counts are all-reduced.
+captions its share of the prompts and the counts are all-reduced; when FSDP shards the model, rank 0
+alone captions them all from a gathered replica (CaptionEval._caption says why).
 
 Legend: A attributes.
 """
@@ -203,14 +203,30 @@ class CaptionEval(Callback):
         record["captions"] = res.to_dict()
 
     def _caption(self, trainer: Trainer) -> CaptionResult:
-        from mmtrain.inference.loading import Loaded, local_replica
+        """Unsharded: every rank captions its share from its own model, counts all-reduced.
+        FSDP-sharded: the shards are gathered to rank 0 alone, which captions every prompt from a
+        replica built without a random init; the others wait in the broadcast of its result (so
+        every rank runs the same collectives, and one rank, not all, holds a full copy). That wait
+        must fit in dist.timeout_s."""
+        from mmtrain.inference.loading import is_sharded, local_replica
+        from mmtrain.parallel.distributed import broadcast_object
 
-        model = local_replica(trainer.raw_model, trainer.device)
+        env = trainer.env
+        if not is_sharded(trainer.raw_model):
+            return self._run(trainer, trainer.raw_model, env)
+        replica = local_replica(trainer.raw_model, trainer.device, keep=env.is_main)
+        res = self._run(trainer, replica, None) if env.is_main else None
+        del replica
+        return broadcast_object(res, env)
+
+    def _run(self, trainer: Trainer, model, env: DistEnv | None) -> CaptionResult:
+        from mmtrain.inference.loading import Loaded
+
         modes = [(mod, mod.training) for mod in model.modules()]
         model.eval()
         try:
             m = Loaded(None, trainer.cfg, model, trainer.tokenizer, trainer.device)
-            return run_captioning(m, self.set, self.cfg, trainer.step, trainer.env, trainer.autocast)
+            return run_captioning(m, self.set, self.cfg, trainer.step, env, trainer.autocast)
         finally:
             for mod, mode in modes:
                 mod.training = mode

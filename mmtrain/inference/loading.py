@@ -11,15 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from mmtrain.config import from_dict
 from mmtrain.data_pipelines.tokenizer import Tokenizer, load_tokenizer
 from mmtrain.errors import UserError
-from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.models.multimodal import ModelConfig, MultimodalModel
 from mmtrain.run_config import RunConfig
 from mmtrain.state.checkpoint import load_for_inference
 from mmtrain.state.export import resolve_checkpoint
 
+Tensor = torch.Tensor
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile / DDP wrappers
 
 
@@ -55,14 +57,16 @@ def _tokenizer_spec(path: Path, tok_file: Path | None, spec: str) -> str | Path:
                     "was not found (run from the directory the run was trained in)")
 
 
+def _clean_key(k: str) -> str:
+    for p in _PREFIXES:
+        k = k.replace(p, "")
+    return k
+
+
 def clean_state_dict(state: dict) -> dict:
     """Without torch.compile / DDP prefixes, DTensor shards gathered (collective under FSDP)."""
-    out = {}
-    for k, v in state.items():
-        for p in _PREFIXES:
-            k = k.replace(p, "")
-        out[k] = v.full_tensor() if hasattr(v, "full_tensor") else v  # a DTensor from a sharded save
-    return out
+    # a DTensor from a sharded save
+    return {_clean_key(k): v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
 
 
 def checkpoint_line(asked: str | Path, used: Path) -> str:
@@ -102,12 +106,44 @@ def load_model(path: str | Path, device: str = "cpu") -> Loaded:
     return Loaded(path, cfg, model.to(dev).eval(), tok, dev)
 
 
-def local_replica(raw_model: MultimodalModel, device: torch.device) -> MultimodalModel:
-    """`raw_model` itself, or when FSDP shards it an unsharded copy on `device` (every rank must
-    call this: gathering the shards is collective)."""
-    if not any(hasattr(p, "full_tensor") for p in raw_model.parameters()):
-        return raw_model
-    with torch.random.fork_rng(devices=[]):  # its throwaway initialisation must not move training's RNG
-        replica = MultimodalModel(raw_model.cfg).to(device)
-    replica.load_state_dict(clean_state_dict(raw_model.state_dict()))
+def is_sharded(model: nn.Module) -> bool:
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def gather_full_state(model: nn.Module, keep: bool) -> dict[str, Tensor] | None:
+    """Parameters and buffers (persistent or not) with DTensor shards gathered one tensor at a time.
+
+    Collective: every rank calls it and gathers in the same order; only a rank with `keep` holds
+    the result, so the others' peak is one full tensor, not a model.
+    """
+    out = {}
+    for k, v in [*model.state_dict().items(), *model.named_buffers()]:
+        full = v.full_tensor() if hasattr(v, "full_tensor") else v
+        if keep:
+            out[_clean_key(k)] = full.detach()
+    return out if keep else None
+
+
+def replica_from_state(cfg: ModelConfig, state: dict[str, Tensor], device: torch.device) -> MultimodalModel:
+    """A plain model holding `state`, built on the meta device: no random initialisation (minutes
+    and a full extra copy at `base`), no RNG drawn. Every parameter and buffer must be in `state`."""
+    with torch.device("meta"):
+        replica = MultimodalModel(cfg)
+    replica.to_empty(device=device)
+    names = {k for k, _ in replica.named_parameters()} | {k for k, _ in replica.named_buffers()}
+    if names - state.keys():
+        raise ValueError(f"replica: no value for {sorted(names - state.keys())[:3]}")
+    with torch.no_grad():
+        for k, t in [*replica.named_parameters(), *replica.named_buffers()]:
+            t.copy_(state[k])
     return replica
+
+
+def local_replica(raw_model: MultimodalModel, device: torch.device, keep: bool = True
+                  ) -> MultimodalModel | None:
+    """`raw_model` itself, or when FSDP shards it an unsharded copy on `device` for the ranks with
+    `keep` (None on the others). Every rank must call this: gathering the shards is collective."""
+    if not is_sharded(raw_model):
+        return raw_model
+    state = gather_full_state(raw_model, keep)
+    return replica_from_state(raw_model.cfg, state, device) if keep else None

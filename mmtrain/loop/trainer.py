@@ -41,6 +41,7 @@ from mmtrain.evaluation.dist_eval import evaluate_ranks
 from mmtrain.evaluation.evaluate import EvalResult
 from mmtrain.loop.faults import FaultInjection, faults_configured
 from mmtrain.loop.grad_parts import GradParts
+from mmtrain.loop.host_copy import batch_to_device
 from mmtrain.loop.logger import RunLogger
 from mmtrain.loop.perf import Throughput, peak_tflops
 from mmtrain.objectives.balance import build_balancer
@@ -270,7 +271,7 @@ class Trainer:
             t0 = time.perf_counter()
             batch = next(train_iter)
             sums.wait_s += time.perf_counter() - t0
-            batch = batch.to(self.device, non_blocking=True)
+            batch = batch_to_device(batch, self.device)  # pinned + asynchronous on CUDA
             with grad_sync(self.model, self.env, last=i == accum - 1):
                 loss = self.callbacks.on_loss(self, self.objective.micro_batch(batch, sums))  # e.g. a NaN
                 (loss * world / accum).backward()

@@ -94,7 +94,10 @@ def prime_probes(device: torch.device) -> None:
     torch.utils.checkpoint rejects the step; so run the probe up front (RNG left untouched)."""
     from mmtrain.models.moe.grouped_mm import grouped_mm_supported
 
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+    # this rank's CUDA device only (`cuda` without an index: the current one, not cuda:0)
+    own = [] if device.type != "cuda" else \
+        [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=own):
         for dtype in (torch.float32, torch.bfloat16):
             grouped_mm_supported(device.type, dtype)
 

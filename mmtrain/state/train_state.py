@@ -119,7 +119,7 @@ class LoaderPart:
 
 
 class RNGPart:
-    """Python, NumPy, torch (and CUDA) RNG states of this process (per rank)."""
+    """Python, NumPy, torch (and this rank's CUDA device's) RNG states of this process (per rank)."""
 
     def state_dict(self) -> dict:
         return rng_state()
@@ -285,12 +285,16 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    """Tensors, lists and ints only, so that it loads with torch.load(weights_only=True)."""
+    """Tensors, lists and ints only, so that it loads with torch.load(weights_only=True).
+
+    CUDA: this rank's device only (pick_device made it current). Every visible device's state
+    would make each rank initialise a context on every GPU of the node, and restoring them would
+    overwrite the generators other ranks own."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -299,5 +303,10 @@ def set_rng_state(state: dict) -> None:
     name, keys, *rest = state["numpy"]  # format-1 checkpoints hold an array here: the same either way
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_available():
+        return
+    dev = torch.cuda.current_device()
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"], dev)
+    elif dev < len(state.get("cuda", [])):  # older checkpoints: every visible device's, ours at dev
+        torch.cuda.set_rng_state(state["cuda"][dev], dev)

@@ -4,7 +4,8 @@ Every path computes the same function on rows already grouped by expert (the dis
 rows [start_e, start_e + counts_E[e]) go through expert e; rows past sum(counts_E) are zero padding
 and leave as zeros. A path is an entry of `EXPERT_PATHS` that states what it supports; `auto` takes
 the first entry, in registry order, that is an auto candidate and runs here.
-- `grouped_mm`: one `torch._grouped_mm` per projection (no padding, no host sync).
+- `grouped_mm`: one `torch._grouped_mm` per projection on groups padded to the dtype's alignment
+  (grouped_mm.aligned_layout; no host sync).
 - `batched`: scatter into a zero-padded (E, C, D) buffer (C = the largest load, one host sync), bmm.
 - `loop`: one matmul per expert on its slice; the reference of the other two on sorted rows.
 `experts_reference` is the reference of the whole MoE step: no sorting at all.
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ffn import swiglu
-from .grouped_mm import grouped_mm_op, grouped_mm_supported
+from .grouped_mm import aligned_layout, group_align, grouped_mm_op, grouped_mm_supported, strides_aligned
 
 Tensor = torch.Tensor
 
@@ -35,6 +36,7 @@ class ExpertPath:
     supported: Callable[[str, torch.dtype], bool]  # (device type, compute dtype) -> runs here
     host_sync: bool  # reads the loads on the host (a graph break under torch.compile)
     auto: bool  # a candidate of `dispatch: auto`, tried in registry order
+    fits: Callable[[torch.dtype, int, int], bool] = lambda dtype, D, F: True  # (dtype, D, F) -> shapes run
 
 
 EXPERT_PATHS: dict[str, ExpertPath] = {}
@@ -53,23 +55,25 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-def resolve_path(name: str, x: Tensor) -> ExpertPath:
+def resolve_path(name: str, x: Tensor, hidden: int | None = None) -> ExpertPath:
+    """The named path, or auto's pick for x's device and compute dtype (and the shapes D = x's last
+    dim and F = hidden, when given)."""
     if name != "auto":
         return EXPERT_PATHS[name]
-    dev, dtype = x.device.type, compute_dtype(x)
-    return next(p for p in EXPERT_PATHS.values() if p.auto and p.supported(dev, dtype))
+    dev, dtype, D = x.device.type, compute_dtype(x), x.shape[-1]
+    return next(p for p in EXPERT_PATHS.values() if p.auto and p.supported(dev, dtype)
+                and (hidden is None or p.fits(dtype, D, hidden)))
 
 
 def _grouped(x_RD: Tensor, counts_E: Tensor, w_in_EDF2: Tensor, w_out_EFD: Tensor) -> Tensor:
-    # The last group runs to the end: padding rows (zeros) ride along with the last expert. Rows
-    # past the last offset would be left uninitialised, and CPU grouped_mm's backward was seen to
-    # turn them into NaN weight gradients.
-    offs_E = counts_E.cumsum(0).to(torch.int32)
-    offs_E[-1] = x_RD.shape[0]
+    # Each group padded to the dtype's alignment (an unaligned group can kill a Hopper process);
+    # the padding rows are zeros and come back as zeros (swiglu(0) = 0), so they add no gradient.
+    dest_R, offs_E, L = aligned_layout(counts_E, x_RD.shape[0], group_align(x_RD.dtype))
+    x_LD = x_RD.new_zeros(L, x_RD.shape[1]).index_copy(0, dest_R, x_RD)
     # compiled fp32: the opaque op (the compiler's grouped_mm shape rule accepts bf16 only)
     gmm = grouped_mm_op if torch.compiler.is_compiling() and x_RD.dtype != torch.bfloat16 else _gmm
-    h_RF2 = gmm(x_RD, w_in_EDF2, offs_E)
-    return gmm(swiglu(h_RF2).contiguous(), w_out_EFD, offs_E)
+    h_LF2 = gmm(x_LD, w_in_EDF2, offs_E)
+    return gmm(swiglu(h_LF2).contiguous(), w_out_EFD, offs_E)[dest_R]
 
 
 def _gmm(x_RD: Tensor, w_EDF: Tensor, offs_E: Tensor) -> Tensor:
@@ -99,7 +103,8 @@ def _loop(x_RD: Tensor, counts_E: Tensor, w_in_EDF2: Tensor, w_out_EFD: Tensor) 
     return torch.cat(outs)
 
 
-register_expert_path(ExpertPath("grouped_mm", _grouped, grouped_mm_supported, host_sync=False, auto=True))
+register_expert_path(ExpertPath("grouped_mm", _grouped, grouped_mm_supported, host_sync=False, auto=True,
+                                fits=strides_aligned))
 register_expert_path(ExpertPath("batched", _batched, lambda dev, dtype: True, host_sync=True, auto=True))
 register_expert_path(ExpertPath("loop", _loop, lambda dev, dtype: True, host_sync=True, auto=False))
 
@@ -128,7 +133,7 @@ class Experts(nn.Module):
         dt = compute_dtype(x_RD)
         # no rows (an expert-parallel rank nobody sent to): batched still yields zero weight
         # gradients, so every rank's FSDP reduces the same parameters
-        path = resolve_path(self.path, x_RD) if x_RD.shape[0] else EXPERT_PATHS["batched"]
+        path = resolve_path(self.path, x_RD, w_out.shape[1]) if x_RD.shape[0] else EXPERT_PATHS["batched"]
         return path.run(x_RD.to(dt), counts_E, w_in.to(dt), w_out.to(dt))
 
 

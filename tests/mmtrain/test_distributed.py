@@ -143,7 +143,7 @@ def test_two_ranks_run_diagnostics_reliance_guard_and_visual_ssl(make_raw, tmp_p
     weights = summary["weights"]
     assert weights["text"] == 1.0 and max(weights.values()) > 1.0  # an untrained model: gaps ~0
     assert set(summary["end"]["mismatch_gap"]) == {"image_text", "video_text"}  # the eval's, all-reduced
-    # captioning under FSDP: every rank decodes its share from an unsharded replica, counts all-reduced
+    # captioning under FSDP: rank 0 decodes every prompt from a gathered replica, the result broadcast
     assert summary["end"]["captions"]["prompts"] == 3 and summary["end"]["captions"]["words"]["colour"] > 0
 
 
