@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="a tokenizer.json or 'byte' (default: train one on the train "
                                        "sources into OUT's folder as <out stem>.tokenizer.json)")
     p.add_argument("--run-dir", help="the run directory (default runs/<out stem>)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--scan", type=int, default=200, help="samples per source read for kinds and media "
                                                          "sizes (default 200)")
     add_sample_arguments(p)
@@ -161,10 +162,10 @@ def render(base: Path, out: Path, run_dir: str, tokenizer: str, tok_note: str, t
     return "\n".join(lines) + "\n"
 
 
-def _tokenizer(args, out: Path, train_specs: list[str], base_name: str) -> tuple[str, str]:
+def _tokenizer(args, out: Path, train_specs: list[str], base: Path) -> tuple[str, str]:
     if args.tokenizer:
         return args.tokenizer, ""
-    vocab = args.vocab_size or (_TINY_VOCAB if base_name == "tiny" else 32000)
+    vocab = args.vocab_size or (_TINY_VOCAB if base.stem == "tiny" else 32000)
     path = out.with_name(f"{out.stem}.tokenizer.json")
     tok, counts = train_from(train_specs, path, vocab, args.max_docs, args.max_bytes)
     return str(path), f"trained here: {tok.vocab_size} tokens from {counts['docs']:,} train documents"
@@ -172,6 +173,8 @@ def _tokenizer(args, out: Path, train_specs: list[str], base_name: str) -> tuple
 
 def run(args: argparse.Namespace) -> int:
     out, base = Path(args.out), recipe_path(args.base)
+    if out.exists() and not args.force:
+        raise DataError(f"--out {out}: exists (your edits?); pass --force to replace it")
     recipe = yaml.safe_load(base.read_text(encoding="utf-8")) or {}
     sources = parse_sources(args.sources)
     scans = [scan_source(urls, args.scan) for _, _, urls in sources]
@@ -187,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         train_specs, val = [t for t, _ in parts], (names, [v for _, v in parts])
         val_note = f"the last {args.val_shards} shard(s) of each source, held out of train"
     out.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer, tok_note = _tokenizer(args, out, [s for specs in train_specs for s in specs], args.base)
+    tokenizer, tok_note = _tokenizer(args, out, [s for specs in train_specs for s in specs], base)
     media, media_note = media_edits(scans, (recipe.get("data") or {}).get("media") or {})
     text = render(base, out, args.run_dir or f"runs/{out.stem}", tokenizer, tok_note,
                   (names, train_specs, [s.describe() for s in scans]), val, val_note, media, media_note)

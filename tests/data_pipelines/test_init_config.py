@@ -64,6 +64,9 @@ def test_bad_requests_are_one_line_errors(tmp_path):
     one = text_shards(tmp_path, 1, 2)[0]
     with pytest.raises(DataError, match="nothing left to train on"):
         _run(one, "--tokenizer", "byte", "--out", str(tmp_path / "a.yaml"))
+    (tmp_path / "mine.yaml").write_text("edited")
+    with pytest.raises(DataError, match="exists"):
+        _run(one, "--tokenizer", "byte", "--out", str(tmp_path / "mine.yaml"))
     with pytest.raises(DataError, match="matches nothing"):
         _run(str(tmp_path / "none-*.tar"), "--out", str(tmp_path / "a.yaml"))
     p = argparse.ArgumentParser()

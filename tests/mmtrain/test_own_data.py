@@ -64,6 +64,7 @@ def test_own_data_in_three_commands(tmp_path, monkeypatch, capsys):
     resolved = (tmp_path / "runs" / "my" / "config.yaml").read_text()
     assert "shapes" not in resolved
     tok = load_tokenizer(tmp_path / "my.tokenizer.json")
+    assert len(tok.encode(" entirely")) == 1  # learnt from these captions
     assert yaml.safe_load(resolved)["model"]["decoder"]["vocab_size"] == tok.vocab_size
     assert main(["generate", "--ckpt", "runs/my", "--image", "p0.png", "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out.strip()
