@@ -22,7 +22,9 @@ from pathlib import Path
 
 import yaml
 
+from mmtrain.data_pipelines.config import MediaConfig
 from mmtrain.data_pipelines.errors import DataError
+from mmtrain.data_pipelines.preprocess import plan_size
 from mmtrain.data_pipelines.scan import Scan, compact, scan_source
 from mmtrain.data_pipelines.shards import expand_spec
 from mmtrain.data_pipelines.train_tokenizer import add_sample_arguments, train_from
@@ -108,10 +110,13 @@ def media_edits(scans: list[Scan], media: dict) -> tuple[dict, str]:
     if images:
         areas = sorted(h * w for h, w in images)
         h, w = max(images, key=lambda hw: hw[0] * hw[1])
-        factor = media.get("patch_size", 8) * media.get("merge", 2)
-        tokens = min(areas[-1], media.get("max_pixels", areas[-1])) // (factor * factor)
+        try:
+            cfg = MediaConfig(**{k: v for k, v in media.items() if k in MediaConfig.__dataclass_fields__})
+        except (TypeError, ValueError) as e:
+            raise DataError(f"--base: data.media: {e}") from None
+        H, W = plan_size(h, w, cfg)
         notes.append(f"{len(images)} images, median {areas[len(areas) // 2]:,} px, largest {w}x{h} "
-                     f"(about {tokens} visual tokens at max_pixels {media.get('max_pixels')})")
+                     f"({H // cfg.factor * W // cfg.factor} visual tokens at max_pixels {cfg.max_pixels})")
     fps = [s.median_fps() for s in scans if s.median_fps()]
     if videos and fps:
         notes.append(f"{len(videos)} videos at {min(fps):g} fps (median of the slowest source)")
@@ -144,8 +149,8 @@ def render(base: Path, out: Path, run_dir: str, tokenizer: str, tok_note: str, t
            media: dict, media_note: str) -> str:
     """train/val: (names, specs, notes). The config text, with comments saying where values came from."""
     lines = [
-        f"# Your data on {base} (written by `mmtrain data config`): every key not set here comes from",
-        "# the base. Train: mmtrain train " + str(out),
+        "# Written by `mmtrain data config`: your data over the base config below, whose every key",
+        f"# not set here stays as it is. Train: mmtrain train {out}",
         f"base: {_flow(_relative(base, out.parent))}",
         f"run_dir: {_flow(run_dir)}",
         "data:",
