@@ -176,27 +176,38 @@ def _tokenizer(args, out: Path, train_specs: list[str], base: Path) -> tuple[str
     return str(path), f"trained here: {tok.vocab_size} tokens from {counts['docs']:,} train documents"
 
 
+def _train_and_val(args, sources, names: list[str]):
+    """-> train specs per source, (val names, val specs), and a note saying where val came from."""
+    if not args.val:
+        parts = split(sources, args.val_shards)
+        note = f"the last {args.val_shards} shard(s) of each source, held out of train"
+        return [t for t, _ in parts], (names, [v for _, v in parts]), note
+    given = parse_sources(args.val)
+    val_names = _names([scan_source(urls, args.scan) for _, _, urls in given], [n for n, _, _ in given])
+    val = (val_names, [[spec] for _, spec, _ in given])
+    return [[spec] for _, spec, _ in sources], val, "given with --val"
+
+
+def _recipe_media(base: Path) -> dict:
+    try:
+        recipe = yaml.safe_load(base.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise DataError(f"--base {base}: cannot read it ({str(e).splitlines()[0]})") from None
+    data = recipe.get("data") if isinstance(recipe, dict) else None
+    return (data.get("media") if isinstance(data, dict) else None) or {}
+
+
 def run(args: argparse.Namespace) -> int:
     out, base = Path(args.out), recipe_path(args.base)
     if out.exists() and not args.force:
         raise DataError(f"--out {out}: exists (your edits?); pass --force to replace it")
-    recipe = yaml.safe_load(base.read_text(encoding="utf-8")) or {}
     sources = parse_sources(args.sources)
     scans = [scan_source(urls, args.scan) for _, _, urls in sources]
     names = _names(scans, [name for name, _, _ in sources])
-    if args.val:
-        val_sources = parse_sources(args.val)
-        val_names = _names([scan_source(urls, args.scan) for _, _, urls in val_sources],
-                           [name for name, _, _ in val_sources])
-        train_specs = [[spec] for _, spec, _ in sources]
-        val, val_note = (val_names, [[spec] for _, spec, _ in val_sources]), "given with --val"
-    else:
-        parts = split(sources, args.val_shards)
-        train_specs, val = [t for t, _ in parts], (names, [v for _, v in parts])
-        val_note = f"the last {args.val_shards} shard(s) of each source, held out of train"
+    train_specs, val, val_note = _train_and_val(args, sources, names)
     out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer, tok_note = _tokenizer(args, out, [s for specs in train_specs for s in specs], base)
-    media, media_note = media_edits(scans, (recipe.get("data") or {}).get("media") or {})
+    media, media_note = media_edits(scans, _recipe_media(base))
     text = render(base, out, args.run_dir or f"runs/{out.stem}", tokenizer, tok_note,
                   (names, train_specs, [s.describe() for s in scans]), val, val_note, media, media_note)
     out.write_text(text, encoding="utf-8")
