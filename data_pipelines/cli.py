@@ -9,6 +9,8 @@ VERBS = {
     "synth": (".synth.cli", "write the built-in 'shapes world' corpus and its tokenizer"),
     "write": (".write", "write shards from a folder of media or a JSONL file"),
     "inspect": (".inspect", "count samples, bad samples, tokens and packing efficiency"),
+    "tokenizer": (".train_tokenizer", "train a BPE tokenizer.json on the text of shards or JSONL files"),
+    "config": (".init_config", "write a short run config for your shards over tiny/small/base/long"),
 }
 
 

@@ -189,7 +189,8 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise DataError(f"tokenizer file not found: {path} (use a tokenizer.json path or 'byte')")
+        raise DataError(f"tokenizer file not found: {path} (use a tokenizer.json path or 'byte'; "
+                        "`mmtrain data tokenizer SHARDS --out tok.json` trains one on your text)")
     try:
         text = path.read_text(encoding="utf-8")
         json.loads(text)

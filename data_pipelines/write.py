@@ -9,12 +9,15 @@ is image-text, `clip.mp4` + `clip.txt` video-text, a lone `note.txt` text, a `do
 `{"image": PATH, "text": ...}`, `{"video": PATH, "text": ...}` or `{"segments": [...]}`, paths
 relative to the JSONL file; other keys go to `key.json` as metadata. Media bytes are copied
 unchanged (other image formats Pillow reads are converted to PNG). A record that cannot be
-written is reported and skipped. Shards are `DIR/<prefix>-NNNNNN.tar`, written atomically.
+written is reported and skipped. Shards are `DIR/<prefix>-NNNNNN.tar`, written atomically; a
+second call into the same DIR with the same prefix continues the numbering (and keys), so it
+never replaces shards written before; `--overwrite` deletes them first.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import io
 import json
 import os
@@ -43,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
     p.add_argument("--prefix", default="shard", help="shard file prefix (default 'shard')")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any record was skipped")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete DIR/<prefix>-*.tar first (default: continue their numbering)")
 
 
 # ----- records -> sample members -----------------------------------------------------------------
@@ -173,21 +178,28 @@ def folder_records(root: Path) -> Iterator[tuple[str, dict | BadRecord, Path]]:
 
 
 # ----- writing -----------------------------------------------------------------------------------
-class ShardSink:
-    """Numbered shards of `shard_size` samples; each written to .tmp and renamed when complete."""
+def existing_shards(out: Path, prefix: str) -> list[Path]:
+    """`<prefix>-NNNNNN.tar` already in `out` (what a new call must not replace)."""
+    return sorted(p for p in out.glob(f"{glob.escape(prefix)}-*.tar") if p.stem[len(prefix) + 1:].isdigit())
 
-    def __init__(self, out: Path, prefix: str, shard_size: int):
-        self.out, self.prefix, self.shard_size = out, prefix, shard_size
+
+class ShardSink:
+    """Numbered shards of `shard_size` samples from number `start` on; each written to .tmp and
+    renamed when complete. Keys carry `start` when it is not 0, so they stay unique across calls."""
+
+    def __init__(self, out: Path, prefix: str, shard_size: int, start: int = 0):
+        self.out, self.prefix, self.shard_size, self.start = out, prefix, shard_size, start
         self.count, self.shards, self._writer, self._tmp = 0, [], None, None
 
     def write(self, members: dict[str, bytes]) -> None:
         if self.count % self.shard_size == 0:
             self._finish()
-            final = self.out / f"{self.prefix}-{len(self.shards):06d}.tar"
+            final = self.out / f"{self.prefix}-{self.start + len(self.shards):06d}.tar"
             self._tmp = final.with_name(final.name + ".tmp")
             self._writer = wds.TarWriter(str(self._tmp))
             self.shards.append(final)
-        self._writer.write({"__key__": f"{self.count:09d}", **members})
+        key = f"{self.count:09d}" if not self.start else f"{self.start:06d}_{self.count:09d}"
+        self._writer.write({"__key__": key, **members})
         self.count += 1
 
     def _finish(self) -> None:
@@ -200,6 +212,21 @@ class ShardSink:
         self._finish()
 
 
+def _first_number(out: Path, args: argparse.Namespace) -> int:
+    old = existing_shards(out, args.prefix)
+    if old and args.overwrite:
+        for path in old:
+            path.unlink()
+        print(f"--overwrite: deleted {len(old)} shards {args.prefix}-*.tar in {out}", file=sys.stderr)
+        return 0
+    if not old:
+        return 0
+    start = int(old[-1].stem[len(args.prefix) + 1:]) + 1
+    print(f"{out} already holds {len(old)} shards {args.prefix}-*.tar: numbering continues at "
+          f"{args.prefix}-{start:06d}.tar (--overwrite replaces them)", file=sys.stderr)
+    return start
+
+
 def run(args: argparse.Namespace) -> int:
     src, out = Path(args.src), Path(args.out)
     if args.shard_size < 1:
@@ -210,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         raise DataError(f"--from jsonl: file not found: {src}")
     out.mkdir(parents=True, exist_ok=True)
     records = folder_records(src) if args.source_kind == "folder" else jsonl_records(src)
-    sink, skipped = ShardSink(out, args.prefix, args.shard_size), 0
+    sink, skipped = ShardSink(out, args.prefix, args.shard_size, _first_number(out, args)), 0
     try:
         for where, rec, base in records:
             try:

@@ -22,10 +22,22 @@ _MISSING = dataclasses.MISSING
 
 
 def load_config(cls: type[T], path: str | Path, overrides: list[str] | None = None) -> T:
-    """Read a YAML file, apply `key.sub=value` overrides, and build `cls` strictly."""
+    """Read a YAML file (and the `base:` chain under it), apply `key.sub=value` overrides, and build
+    `cls` strictly."""
     path = Path(path)
+    raw = read_raw(path)
+    for item in overrides or []:
+        apply_override(raw, item, source=str(path))
+    return from_dict(cls, raw, source=str(path))
+
+
+def read_raw(path: Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """A config file as plain data. `base: FILE` (relative to this file) names a config this one
+    edits: its mappings are merged key by key, anything else (a list, a value) replaced whole, so
+    `data.train` here replaces the base's list, `data.media.max_pixels` only that value."""
     if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
+        of = f" (the base of {_chain[-1]})" if _chain else ""
+        raise ConfigError(f"{path}: config file not found{of}")
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -34,9 +46,23 @@ def load_config(cls: type[T], path: str | Path, overrides: list[str] | None = No
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
-    for item in overrides or []:
-        apply_override(raw, item, source=str(path))
-    return from_dict(cls, raw, source=str(path))
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: expected a config file path, got {_show(base)}")
+    base_path = path.parent / base
+    if base_path.resolve() in {p.resolve() for p in (*_chain, path)}:
+        raise ConfigError(f"{path}: base: {base} leads back to itself")
+    return _merge(read_raw(base_path, (*_chain, path)), raw)
+
+
+def _merge(base: dict, edits: dict) -> dict:
+    out = dict(base)
+    for key, value in edits.items():
+        both = isinstance(value, dict) and isinstance(base.get(key), dict)
+        out[key] = _merge(base[key], value) if both else value
+    return out
 
 
 def apply_override(raw: dict, item: str, source: str = "--set") -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import nullcontext
 
 from mmtrain.config import load_config
 from mmtrain.evaluation.report import print_summary
@@ -25,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     # heavy imports only once the config is known to parse
     from mmtrain.loop.trainer import Trainer
     from mmtrain.parallel.distributed import init_distributed, shutdown
+    from mmtrain.state.run_dir import undone_on_error
 
     overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
     cfg = load_config(RunConfig, args.config, overrides)
@@ -32,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
     env = init_distributed(cfg.dist, cfg.train.device)
     # On an error the process just exits (non-zero): torchrun then stops the other ranks, which
     # may be blocked in a collective that this rank will never join.
-    summary = Trainer(cfg, verbose=not args.quiet, env=env).fit()
+    with undone_on_error(cfg.run_dir) if env.is_main else nullcontext():  # no empty run dir left
+        trainer = Trainer(cfg, verbose=not args.quiet, env=env)
+    summary = trainer.fit()
     shutdown()
     if not args.quiet and env.is_main:
         print_summary(summary, time.perf_counter() - t0)

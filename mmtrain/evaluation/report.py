@@ -5,6 +5,7 @@ accuracies (when it ran)."""
 from __future__ import annotations
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from mmtrain.data_pipelines.batch import TASK_NAMES
@@ -57,12 +58,24 @@ def caption_table(summary: dict) -> Table | None:
     return table
 
 
-def print_summary(summary: dict, seconds: float | None = None) -> None:
+def report_console(*tables: Table) -> Console:
+    """A console that never cuts these tables: without a terminal (a pipe, `tee`, a SLURM log) rich
+    would render at 80 columns and elide the gap columns to `+0.0…`, so it gets the width they need,
+    and lines of text are not folded."""
     console = Console(highlight=False)
-    console.print(summary_table(summary))
-    captions = caption_table(summary)
-    if captions is not None:
-        console.print(captions)
+    if not console.is_terminal:
+        console.soft_wrap = True
+        unbounded = console.options.update_width(1 << 16)
+        needed = [Measurement.get(console, unbounded, t).maximum for t in tables]
+        console.width = max([console.width, *needed])
+    return console
+
+
+def print_summary(summary: dict, seconds: float | None = None) -> None:
+    tables = [t for t in (summary_table(summary), caption_table(summary)) if t is not None]
+    console = report_console(*tables)
+    for table in tables:
+        console.print(table)
     extra = f" in {seconds / 60:.1f} min" if seconds is not None else ""
     console.print(
         f"{summary['steps']} steps, {summary['tokens_seen']:,} tokens{extra}; "

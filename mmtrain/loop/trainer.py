@@ -385,9 +385,9 @@ class Trainer:
         short = {"text": "txt", "image_text": "img", "video_text": "vid"}
         losses = " ".join(f"{short[t]} {v:.2f}" for t, v in s.task_loss.items())
         w_info = "" if not self.balancer.signals else (  # static: nothing moves them
-            " | w " + "/".join(f"{weights[t]:.2f}" for t in TASK_NAMES))
+            " | w " + " ".join(f"{short[t]} {weights[t]:.2f}" for t in TASK_NAMES))
         if self._mix is not None:
-            w_info += " | mix " + "/".join(f"{v:.2f}" for v in self._mix.weights().values())
+            w_info += " | mix " + " ".join(f"{k} {v:.2f}" for k, v in self._mix.weights().items())
         unit = "tok/s/dev" if self.env.world_size > 1 else "tok/s"
         tok_s = s.tokens_per_s_per_device(self.env.world_size)
         return f"{losses}{w_info} | {tok_s:,.0f} {unit} | wait {s.wait_fraction():.0%}"

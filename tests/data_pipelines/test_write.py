@@ -51,3 +51,27 @@ def test_bad_sources_are_data_errors(tmp_path):
         _run("--from", "folder", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
     with pytest.raises(DataError, match="file not found"):
         _run("--from", "jsonl", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o"))
+
+
+def _samples(out) -> list[tuple[str, bytes]]:
+    """(key, txt) of every sample in every shard of `out`."""
+    found = []
+    for path in sorted(out.glob("*.tar")):
+        with tarfile.open(path) as tar:
+            found += [(m.name.split(".", 1)[0], tar.extractfile(m).read())
+                      for m in tar if m.name.endswith(".txt")]
+    return found
+
+
+def test_writing_twice_keeps_the_first_set(tmp_path, capsys):
+    path, good = make_jsonl(tmp_path / "src")
+    out = tmp_path / "out"
+    assert _run("--from", "jsonl", str(path), "--out", str(out), "--shard-size", "2") == 0
+    first = _samples(out)
+    assert _run("--from", "jsonl", str(path), "--out", str(out), "--shard-size", "2") == 0
+    assert "numbering continues" in capsys.readouterr().err
+    both = _samples(out)
+    assert set(first) <= set(both) and len(both) == 2 * len(first)
+    assert len({key for key, _ in both}) == len(both)  # keys stay unique across the two calls
+    assert _run("--from", "jsonl", str(path), "--out", str(out), "--shard-size", "2", "--overwrite") == 0
+    assert sorted(_samples(out)) == sorted(first)  # --overwrite: only the new set, no stale shard

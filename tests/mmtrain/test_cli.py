@@ -45,6 +45,18 @@ def test_missing_corpus(capsys, make_raw, tmp_path):
     path.write_text(yaml.safe_dump(raw))
     code, err = run_cli(capsys, "train", str(path))
     assert code == 2 and "absent" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()  # a run that never started leaves no directory
+
+
+def test_missing_tokenizer_leaves_an_existing_run_dir_alone(capsys, make_raw, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(make_raw(tmp_path / "run")))
+    code, err = run_cli(capsys, "train", str(path), "--set", f"data.tokenizer={tmp_path / 'no.json'}")
+    assert code == 2 and "tokenizer file not found" in err and not (tmp_path / "run").exists()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    code, err = run_cli(capsys, "train", str(path), "--set", f"data.tokenizer={tmp_path / 'no.json'}")
+    assert code == 2 and (tmp_path / "run" / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")

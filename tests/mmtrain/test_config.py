@@ -103,3 +103,19 @@ def test_override_indexes_lists():
     apply_override(raw, "items.1.weight=2.5")
     apply_override(raw, "items.0=c")
     assert raw == {"items": ["c", {"name": "b", "weight": 2.5}]}
+
+
+def test_base_file_is_edited_not_copied(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "tiny.yaml").write_text(
+        "steps: 5\ninner: {lr: 0.1, mode: b}\nitems: [{name: x}, {name: y}]\n")
+    mine = write(tmp_path, "base: recipes/tiny.yaml\ninner: {lr: 0.2}\nitems: [{name: z}]\n")
+    cfg = load_config(Outer, mine, ["steps=6"])
+    assert cfg.steps == 6 and cfg.inner == Inner(lr=0.2, mode="b")  # mappings merge key by key
+    assert cfg.items == [Item("z")]  # a list is replaced whole
+    (tmp_path / "recipes" / "tiny.yaml").write_text("base: ../run.yaml\n")
+    with pytest.raises(ConfigError, match="leads back to itself"):
+        load_config(Outer, mine)
+    mine.write_text("base: absent.yaml\n")
+    with pytest.raises(ConfigError, match="absent.yaml: config file not found .the base of"):
+        load_config(Outer, mine)
