@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from mmtrain.config import load_config
+from mmtrain.errors import UserError
 from mmtrain.evaluation.report import print_summary
 from mmtrain.run_config import RunConfig
 
@@ -32,7 +34,13 @@ def run(args: argparse.Namespace) -> int:
     env = init_distributed(cfg.dist, cfg.train.device)
     # On an error the process just exits (non-zero): torchrun then stops the other ranks, which
     # may be blocked in a collective that this rank will never join.
-    summary = Trainer(cfg, verbose=not args.quiet, env=env).fit()
+    try:
+        summary = Trainer(cfg, verbose=not args.quiet, env=env).fit()
+    except Exception as e:
+        if env.distributed and not isinstance(e, UserError):  # the collectives it was in: where ranks parted
+            from mmtrain.parallel.calls import report
+            print(report(), file=sys.stderr, flush=True)
+        raise
     shutdown()
     if not args.quiet and env.is_main:
         print_summary(summary, time.perf_counter() - t0)

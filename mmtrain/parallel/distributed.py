@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mmtrain.errors import UserError
+from mmtrain.parallel import calls
 from mmtrain.parallel.config import DistConfig
 
 
@@ -86,6 +87,7 @@ def init_distributed(cfg: DistConfig, device_name: str) -> DistEnv:
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise UserError("dist.backend: nccl needs CUDA devices (use gloo on CPU)")
+    calls.install()  # a collective that times out names itself, its group and its call site
     timeout = timedelta(seconds=cfg.timeout_s)
     dist.init_process_group(backend, store=_attempt_store(env, timeout), rank=env.rank,
                             world_size=env.world_size, timeout=timeout,

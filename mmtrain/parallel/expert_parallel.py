@@ -5,8 +5,8 @@ and the rows routed to an expert travel to its rank and back by uneven all-to-al
 saves and reshards them like any other DTensor) and installs `AllToAllDispatcher` as the layer's
 dispatcher: the model file keeps its seam (models/moe/dispatch.py) and knows nothing of ranks.
 
-Every rank of the group makes the same calls in the same order, whatever its batch: the layer
-first agrees on its chunk count (`chunks`: the most any rank's tokens need, one all-reduce), so a
+Every rank makes the same calls in the same order, whatever its batch: the layer first agrees on
+its chunk count (`chunks`: the most any rank's tokens need, one all-reduce over all ranks), so a
 rank with fewer tokens (the one-row eval pad batch, contrast copies, token weighting's rows)
 dispatches empty chunks rather than leaving its peers waiting. One dispatch, per MoE layer and
 token chunk:
@@ -48,11 +48,13 @@ class AllToAllDispatcher:
         self.traffic = traffic
 
     def chunks(self, T: int, chunk: int, device: torch.device) -> int:
-        """The chunk count of every rank of the group: the most any rank's T needs."""
+        """The chunk count of every rank: the most any rank's T needs. Over all ranks, not just the
+        ep group: each chunk also calls the experts module, whose FSDP unshard all-gathers over the
+        expert mesh's other dims (efsdp, dp_replicate), which join other ep groups."""
         if chunk <= 0:
             return 1  # one dispatch per layer on every rank
         n = torch.tensor([chunk_count(T, chunk)], device=device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
         return int(n.item())  # host sync: a loop bound
 
     def __call__(self, experts: nn.Module, x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor) -> Tensor:
