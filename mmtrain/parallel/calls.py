@@ -24,6 +24,7 @@ import os
 import sys
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ _ROOT = Path(__file__).resolve().parents[2]  # the repository (mmtrain/, models/
 _TORCH = Path(torch.__file__).resolve().parent
 _recent: deque[Call] = deque(maxlen=KEEP)
 _count = 0
+_timeout = timedelta(minutes=10)  # torch's default for gloo
 _within: list[str] = []  # e.g. "backward of <the forward's site>" (autograd calls from C++: no frames)
 
 
@@ -53,8 +55,11 @@ class Call:
         return f"{self.op} #{self.n} on group {self.group} ({self.shape}) from {self.site}"
 
 
-def install() -> None:
-    """Wrap torch.distributed's collective functions once per process (idempotent)."""
+def install(timeout: timedelta | None = None) -> None:
+    """Wrap torch.distributed's collective functions once per process (idempotent); `timeout`: the
+    process group's, for the waits that gloo leaves unbounded (comm.all_to_all_single)."""
+    global _timeout
+    _timeout = timeout or _timeout
     for op in OPS:
         fn = getattr(dist, op, None)
         if fn is not None and not getattr(fn, "_mmtrain_logged", False):
@@ -70,6 +75,10 @@ def within(label: str):
         yield
     finally:
         _within.pop()
+
+
+def timeout() -> timedelta:
+    return _timeout
 
 
 def recent() -> list[Call]:
@@ -95,16 +104,23 @@ def _logged(op: str, fn):
         try:
             return fn(*args, **kwargs)
         except Exception as e:
-            if not getattr(e, "_mmtrain_named", False):  # the innermost call names it (object ops nest)
-                e._mmtrain_named = True
-                why = str(e).splitlines()[0] if str(e) else type(e).__name__
-                line = f"rank {_rank()}: {entry} failed: {why}"
-                print(f"mmtrain: {line}", file=sys.stderr, flush=True)
-                e.add_note(line)
+            name_failure(e, entry)
             raise
 
     call._mmtrain_logged = True
     return call
+
+
+def name_failure(e: Exception, entry: Call | None = None) -> None:
+    """Name the collective `e` came from (default: the last one entered) on stderr and in e's notes."""
+    entry = entry or (_recent[-1] if _recent else None)
+    if entry is None or getattr(e, "_mmtrain_named", False):  # the innermost call names it (object ops nest)
+        return
+    e._mmtrain_named = True
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    line = f"rank {_rank()}: {entry} failed: {why}"
+    print(f"mmtrain: {line}", file=sys.stderr, flush=True)
+    e.add_note(line)
 
 
 def _rank() -> int:

@@ -54,5 +54,17 @@ def all_to_all(x_ND: Tensor, out_P: list[int], in_P: list[int], group, count) ->
     """in_P[p] rows to rank p, out_P[p] rows from it."""
     count(x_ND, in_P)
     out_ND = x_ND.new_empty(sum(out_P), *x_ND.shape[1:])
-    dist.all_to_all_single(out_ND, x_ND.contiguous(), out_P, in_P, group=group)
+    all_to_all_single(out_ND, x_ND.contiguous(), out_P, in_P, group)
     return out_ND
+
+
+def all_to_all_single(out: Tensor, x: Tensor, out_P: list[int] | None, in_P: list[int] | None, group) -> None:
+    """dist.all_to_all_single that honours the process group's timeout: gloo's all-to-all waits
+    forever for a peer that never joins (torch 2.13), where its other collectives time out."""
+    work = dist.all_to_all_single(out, x, out_P, in_P, group=group, async_op=True)
+    try:
+        if not work.wait(calls.timeout()):
+            raise RuntimeError(f"Timed out waiting {calls.timeout()} (a peer never joined)")
+    except RuntimeError as e:
+        calls.name_failure(e)  # the all-to-all just entered
+        raise

@@ -87,8 +87,8 @@ def init_distributed(cfg: DistConfig, device_name: str) -> DistEnv:
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise UserError("dist.backend: nccl needs CUDA devices (use gloo on CPU)")
-    calls.install()  # a collective that times out names itself, its group and its call site
     timeout = timedelta(seconds=cfg.timeout_s)
+    calls.install(timeout)  # a collective that times out names itself, its group and its call site
     dist.init_process_group(backend, store=_attempt_store(env, timeout), rank=env.rank,
                             world_size=env.world_size, timeout=timeout,
                             device_id=device if backend == "nccl" else None)

@@ -11,6 +11,7 @@ media-free rows, or the one-row pad batch (no medium, no routed token).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import random
 import sys
@@ -68,6 +69,9 @@ def fuzz(config: str, seed: int, steps: int, out: str) -> None:
     from mmtrain.parallel.distributed import exit_now, init_distributed, shutdown
     from mmtrain.run_config import RunConfig
 
+    # a wait that no timeout bounds: every thread's stack, then exit (torchrun's workers have their
+    # own sessions, so the test's kill of torchrun would leave them behind)
+    faulthandler.dump_traceback_later(120, exit=True)
     cfg = load_config(RunConfig, config)
     env = init_distributed(cfg.dist, "cpu")
     trainer = Trainer(cfg, verbose=False, env=env)
