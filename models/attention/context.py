@@ -14,6 +14,12 @@ trainer's implementation lives in mmtrain/parallel/context_parallel.py):
 The result for a query token is the single-process one: the same keys, the same rule, the same
 picks. Tokens of a tile that belong to another rank ride along with zero queries and are dropped.
 
+Every rank of the group makes the same collectives, forward and backward, whatever its chunk
+holds: a rank whose chunk is only padding runs no tile but keeps the fetched K/V in its graph, so
+its backward joins the reverse exchange too. Host syncs (each stalls a GPU queue): the tile range
+(loop bounds; once per forward, shared by the sparse layers) and the fetch's split sizes (one
+`.tolist()` per sparse layer: the all-to-all takes host lists).
+
 Legend: B rows, H query heads, K kv heads, G selection heads, S row tokens, s = hi - lo the rank's
 tokens, D head dim, A aligned blocks, Bs block size, L = A * Bs aligned slots, Y the rank's tiles,
 P ranks of the group, n rows exchanged, F = 2 * K * D (a slot's key and value).
