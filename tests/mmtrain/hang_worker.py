@@ -6,7 +6,7 @@ different lengths; every data-parallel slot gets its own batch each step (ranks 
 share rows, as they must): whole, a random subset of the rows, rows cut to padding from a document
 boundary in the first 1/cp of the row (the last context rank's chunk: padding only), only the
 media-free rows, or the one-row pad batch (no medium, no routed token).
-`... mismatch OUT` has rank 1 skip a collective that rank 0 calls: both must name theirs.
+`... mismatch OUT CASE` has rank 1 skip a collective that rank 0 calls: both must name theirs.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import faulthandler
 import json
 import random
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -97,21 +98,27 @@ def fuzz(config: str, seed: int, steps: int, out: str) -> None:
     exit_now(0)
 
 
-def mismatch(out: str) -> None:
-    """Rank 1 skips the all-reduce that rank 0 waits in, and waits in an all-gather instead."""
+def mismatch(out: str, case: str) -> None:
+    """Rank 1 skips the collective that rank 0 waits in (an all-reduce, or comm.py's all-to-all),
+    and waits in an all-gather instead."""
     import torch.distributed as dist
 
+    from mmtrain.parallel.comm import all_to_all_single
     from mmtrain.parallel.config import DistConfig
     from mmtrain.parallel.distributed import exit_now, init_distributed
 
+    faulthandler.dump_traceback_later(30, exit=True)  # an unbounded wait: stacks, then exit
     env = init_distributed(DistConfig(timeout_s=3), "cpu")
     dist.all_reduce(torch.ones(2))  # both: agreed
     try:
-        if env.rank == 0:
-            dist.all_reduce(torch.ones(3))  # SKIPPED-BY-RANK-1
-        dist.all_gather([torch.empty(5) for _ in range(env.world_size)], torch.ones(5))
+        if env.rank == 0 and case == "all_reduce":
+            dist.all_reduce(torch.ones(3))  # SKIPPED-BY-RANK-1 all_reduce
+        if env.rank == 0 and case == "all_to_all":
+            all_to_all_single(torch.empty(2), torch.ones(2), None, None, None)  # SKIPPED-BY-RANK-1 all_to_all
+        dist.all_gather([torch.empty(5) for _ in range(env.world_size)], torch.ones(5))  # RANK-1-WAITS
     except Exception as e:
         Path(f"{out}.{env.rank}").write_text("\n".join(getattr(e, "__notes__", [])))
+    time.sleep(4)  # not gone before the peer's own timeout ("Connection closed" instead)
     exit_now(0)
 
 
@@ -125,4 +132,4 @@ if __name__ == "__main__":
             print(calls.report(), file=sys.stderr)  # where the ranks parted
             raise
     elif sys.argv[1] == "mismatch":
-        mismatch(sys.argv[2])
+        mismatch(sys.argv[2], sys.argv[3])

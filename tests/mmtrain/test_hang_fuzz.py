@@ -44,14 +44,19 @@ def test_fuzzed_per_rank_batches_never_hang(raw_for, tmp_path, mesh):
     assert len(kinds) == 3  # rank 0's three steps took three shapes (the others, others)
 
 
-def test_a_timed_out_collective_names_itself_and_its_call_site_on_each_rank(tmp_path):
+@pytest.mark.parametrize("case", ["all_reduce", "all_to_all"])
+def test_a_timed_out_collective_names_itself_and_its_call_site_on_each_rank(tmp_path, case):
+    """Rank 1 skips one (an all-reduce; the all-to-all that EP and CP call through comm.py)."""
     out = tmp_path / "note"
-    launch([str(WORKER), "mismatch", str(out)], nproc=2, timeout=60)
+    launch([str(WORKER), "mismatch", str(out), case], nproc=2, timeout=60)
     lines = WORKER.read_text().splitlines()
-    skipped = next(i for i, t in enumerate(lines, 1) if t.endswith("# SKIPPED-BY-RANK-1"))
+    skipped = next(i for i, t in enumerate(lines, 1) if t.endswith(f"# SKIPPED-BY-RANK-1 {case}"))
+    waits = next(i for i, t in enumerate(lines, 1) if t.endswith("# RANK-1-WAITS"))
     note0, note1 = (Path(f"{out}.{r}").read_text() for r in (0, 1))
-    assert note0.startswith("rank 0: all_reduce #2 on group world ((3,)) from "
-                            f"tests/mmtrain/hang_worker.py:{skipped} ")
+    op, shape = {"all_reduce": ("all_reduce", "(3,)"),
+                 "all_to_all": ("all_to_all_single", "(2,), (2,)")}[case]
+    assert note0.startswith(f"rank 0: {op} #2 on group world ({shape}) from ")
+    assert f"tests/mmtrain/hang_worker.py:{skipped} " in note0
     assert note1.startswith("rank 1: all_gather #2 on group world (2 x (5,), (5,)) from "
-                            f"tests/mmtrain/hang_worker.py:{skipped + 1} ")
-    assert "Timed out" in note0 and "Timed out" in note1
+                            f"tests/mmtrain/hang_worker.py:{waits} ")
+    assert "imed out" in note0 and "imed out" in note1
