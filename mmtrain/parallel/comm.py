@@ -59,8 +59,9 @@ def all_to_all(x_ND: Tensor, out_P: list[int], in_P: list[int], group, count) ->
 
 
 def all_to_all_single(out: Tensor, x: Tensor, out_P: list[int] | None, in_P: list[int] | None, group) -> None:
-    """dist.all_to_all_single that honours the process group's timeout: gloo's all-to-all waits
-    forever for a peer that never joins (torch 2.13), where its other collectives time out."""
+    """dist.all_to_all_single that honours the process group's timeout: gloo's all-to-all was seen
+    waiting past it for a peer that never joined (torch 2.13: a skipped EP dispatch on 4 ranks,
+    still waiting after 10 min in a wait with no deadline), where its other collectives time out."""
     work = dist.all_to_all_single(out, x, out_P, in_P, group=group, async_op=True)
     try:
         if not work.wait(calls.timeout()):
