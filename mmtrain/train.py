@@ -8,7 +8,6 @@ import sys
 import time
 
 from mmtrain.config import load_config
-from mmtrain.errors import UserError
 from mmtrain.evaluation.report import print_summary
 from mmtrain.run_config import RunConfig
 
@@ -34,13 +33,7 @@ def run(args: argparse.Namespace) -> int:
     env = init_distributed(cfg.dist, cfg.train.device)
     # On an error the process just exits (non-zero): torchrun then stops the other ranks, which
     # may be blocked in a collective that this rank will never join.
-    try:
-        summary = Trainer(cfg, verbose=not args.quiet, env=env).fit()
-    except Exception as e:
-        if env.distributed and not isinstance(e, UserError):  # the collectives it was in: where ranks parted
-            from mmtrain.parallel.calls import report
-            print(report(), file=sys.stderr, flush=True)
-        raise
+    summary = Trainer(cfg, verbose=not args.quiet, env=env).fit()
     shutdown()
     if not args.quiet and env.is_main:
         print_summary(summary, time.perf_counter() - t0)
@@ -70,7 +63,21 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m mmtrain.train", description=__doc__)
     add_arguments(parser)
-    return finish(run_guarded(lambda: run(parser.parse_args(argv))))
+    return finish(run_guarded(lambda: reported(lambda: run(parser.parse_args(argv)))))
+
+
+def reported(fn):
+    """fn(); when it raises (not a user error) after collectives were made, the last ones this rank
+    entered go to stderr first: where the ranks' numbers part, they parted."""
+    from mmtrain.errors import UserError
+    from mmtrain.parallel import calls
+
+    try:
+        return fn()
+    except Exception as e:
+        if calls.recent() and not isinstance(e, UserError):
+            print(calls.report(), file=sys.stderr, flush=True)
+        raise
 
 
 if __name__ == "__main__":
