@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="train a run config (resumes from RUN_DIR's latest checkpoint)")
     train.add_arguments(p_train)
-    p_train.set_defaults(func=train.run)
+    p_train.set_defaults(func=lambda a: train.reported(lambda: train.run(a)))  # a failure: its collectives
     p_export = sub.add_parser("export", help="consolidated weights (safetensors + config + tokenizer) "
                                              "of a checkpoint; --hf: a Hugging Face transformers folder")
     export.add_arguments(p_export)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from contextlib import nullcontext
 
@@ -66,7 +67,21 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m mmtrain.train", description=__doc__)
     add_arguments(parser)
-    return finish(run_guarded(lambda: run(parser.parse_args(argv))))
+    return finish(run_guarded(lambda: reported(lambda: run(parser.parse_args(argv)))))
+
+
+def reported(fn):
+    """fn(); when it raises (not a user error) after collectives were made, the last ones this rank
+    entered go to stderr first: where the ranks' numbers part, they parted."""
+    from mmtrain.errors import UserError
+    from mmtrain.parallel import calls
+
+    try:
+        return fn()
+    except Exception as e:
+        if calls.recent() and not isinstance(e, UserError):
+            print(calls.report(), file=sys.stderr, flush=True)
+        raise
 
 
 if __name__ == "__main__":

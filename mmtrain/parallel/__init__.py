@@ -9,4 +9,5 @@ rank it is (`DistEnv`) and for a few collectives; the model files never see it.
     expert_parallel.py   routed experts sharded over `ep`, an all-to-all dispatcher
     context_parallel.py  context parallelism's collectives (models/attention/context.py calls them)
     comm.py              what EP and CP share: the autograd all-to-all, per-step byte counts
+    calls.py             the last collectives entered (op, group, shape, call site): named on a timeout
 """

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mmtrain.callbacks import Callback
+from mmtrain.parallel import calls
 
 Tensor = torch.Tensor
 
@@ -39,17 +40,32 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, out_P, in_P, group, count):
         ctx.splits, ctx.group, ctx.count = (out_P, in_P), group, count
+        ctx.site = calls.site(1, depth=4)  # a timeout in backward names the forward's callers
         return all_to_all(x_ND, out_P, in_P, group, count)
 
     @staticmethod
     def backward(ctx, dy_ND):
         out_P, in_P = ctx.splits
-        return all_to_all(dy_ND, in_P, out_P, ctx.group, ctx.count), None, None, None, None
+        with calls.within(f"backward of {ctx.site}"):
+            return all_to_all(dy_ND, in_P, out_P, ctx.group, ctx.count), None, None, None, None
 
 
 def all_to_all(x_ND: Tensor, out_P: list[int], in_P: list[int], group, count) -> Tensor:
     """in_P[p] rows to rank p, out_P[p] rows from it."""
     count(x_ND, in_P)
     out_ND = x_ND.new_empty(sum(out_P), *x_ND.shape[1:])
-    dist.all_to_all_single(out_ND, x_ND.contiguous(), out_P, in_P, group=group)
+    all_to_all_single(out_ND, x_ND.contiguous(), out_P, in_P, group)
     return out_ND
+
+
+def all_to_all_single(out: Tensor, x: Tensor, out_P: list[int] | None, in_P: list[int] | None, group) -> None:
+    """dist.all_to_all_single that honours the process group's timeout: gloo's all-to-all was seen
+    waiting past it for a peer that never joined (torch 2.13: a skipped EP dispatch on 4 ranks,
+    still waiting after 10 min in a wait with no deadline), where its other collectives time out."""
+    work = dist.all_to_all_single(out, x, out_P, in_P, group=group, async_op=True)
+    try:
+        if not work.wait(calls.timeout()):
+            raise RuntimeError(f"Timed out waiting {calls.timeout()} (a peer never joined)")
+    except RuntimeError as e:
+        calls.name_failure(e)  # the all-to-all just entered
+        raise

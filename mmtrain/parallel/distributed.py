@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mmtrain.errors import UserError
+from mmtrain.parallel import calls
 from mmtrain.parallel.config import DistConfig
 
 
@@ -87,6 +88,7 @@ def init_distributed(cfg: DistConfig, device_name: str) -> DistEnv:
     if backend == "nccl" and device.type != "cuda":
         raise UserError("dist.backend: nccl needs CUDA devices (use gloo on CPU)")
     timeout = timedelta(seconds=cfg.timeout_s)
+    calls.install(timeout)  # a collective that times out names itself, its group and its call site
     dist.init_process_group(backend, store=_attempt_store(env, timeout), rank=env.rank,
                             world_size=env.world_size, timeout=timeout,
                             device_id=device if backend == "nccl" else None)

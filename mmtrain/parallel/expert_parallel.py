@@ -5,7 +5,11 @@ and the rows routed to an expert travel to its rank and back by uneven all-to-al
 saves and reshards them like any other DTensor) and installs `AllToAllDispatcher` as the layer's
 dispatcher: the model file keeps its seam (models/moe/dispatch.py) and knows nothing of ranks.
 
-One dispatch, per MoE layer (and per token chunk), on every rank of the group, in the same order:
+Every rank makes the same calls in the same order, whatever its batch: the layer first agrees on
+its chunk count (`chunks`: the most any rank's tokens need, one all-reduce over all ranks), so a
+rank with fewer tokens (the one-row eval pad batch, contrast copies, token weighting's rows)
+dispatches empty chunks rather than leaving its peers waiting. One dispatch, per MoE layer and
+token chunk:
     1. sort this rank's T*K rows by global expert (padding rows, the virtual expert, are dropped:
        never sent);
     2. all-to-all the (ep, E_loc) row counts, then the rows themselves (uneven splits; a rank may
@@ -14,6 +18,9 @@ One dispatch, per MoE layer (and per token chunk), on every rank of the group, i
        order and run the local experts;
     4. undo 3 and 2 (the reverse all-to-all), weight and sum each token's K rows where it lives.
 Autograd runs the same all-to-alls backwards, so activation checkpointing replays them in order.
+
+Host syncs, all inherent: the agreed chunk count (a loop bound) and, per dispatch, the split sizes
+(all_to_all_single takes them as host lists: one `.tolist()` of the send and receive counts).
 
 Legend: T tokens, K top_k, R = T*K rows, n rows of real experts, E experts, L = E / ep local
 experts, P ep ranks, D model dim.
@@ -25,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmtrain.models.chunked import chunk_count
 from mmtrain.models.moe import MoE
 from mmtrain.models.moe.dispatch import combine, sort_by_expert
 from mmtrain.parallel.comm import AllToAll, Traffic
@@ -39,16 +47,26 @@ class AllToAllDispatcher:
         self.L = n_experts // self.P
         self.traffic = traffic
 
+    def chunks(self, T: int, chunk: int, device: torch.device) -> int:
+        """The chunk count of every rank: the most any rank's T needs. Over all ranks, not just the
+        ep group: each chunk also calls the experts module, whose FSDP unshard all-gathers over the
+        expert mesh's other dims (efsdp, dp_replicate), which join other ep groups."""
+        if chunk <= 0:
+            return 1  # one dispatch per layer on every rank
+        n = torch.tensor([chunk_count(T, chunk)], device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return int(n.item())  # host sync: a loop bound
+
     def __call__(self, experts: nn.Module, x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor) -> Tensor:
         rows = sort_by_expert(idx_TK, self.E)
         send_PL = rows.counts_E.view(self.P, self.L)
         recv_PL = torch.empty_like(send_PL)
         dist.all_to_all_single(recv_PL, send_PL.contiguous(), group=self.group)  # rows to expect
-        send_P, recv_P = send_PL.sum(1).tolist(), recv_PL.sum(1).tolist()  # host sync: the splits
+        send_P, recv_P = torch.stack([send_PL.sum(1), recv_PL.sum(1)]).tolist()  # host sync: the splits
         n = sum(send_P)
         x_nD = x_TD.index_select(0, rows.token_R[:n])  # real experts' rows only: padding stays home
         x_recv = self._exchange(x_nD, recv_P, send_P)
-        order, counts_L = _by_local_expert(recv_PL)
+        order, counts_L = _by_local_expert(recv_PL, sum(recv_P))
         y_grouped = experts(x_recv.index_select(0, order), counts_L)
         y_recv = torch.empty_like(y_grouped).index_copy(0, order, y_grouped)  # back to arrival order
         y_nD = self._exchange(y_recv, send_P, recv_P)
@@ -65,11 +83,13 @@ class AllToAllDispatcher:
             self.traffic.add("ep_all_to_all", others * x_ND[:1].numel() * x_ND.element_size())
 
 
-def _by_local_expert(recv_PL: Tensor) -> tuple[Tensor, Tensor]:
+def _by_local_expert(recv_PL: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """The arrival order is (source rank, local expert); -> the permutation to (local expert,
-    source rank) order and the rows per local expert."""
+    source rank) order and the rows per local expert. n: the rows received (known on the host, so
+    repeat_interleave needs no sync)."""
     P, L = recv_PL.shape
-    expert_n = torch.arange(L, device=recv_PL.device).repeat(P).repeat_interleave(recv_PL.reshape(-1))
+    expert_n = torch.arange(L, device=recv_PL.device).repeat(P).repeat_interleave(recv_PL.reshape(-1),
+                                                                                 output_size=n)
     return torch.argsort(expert_n, stable=True), recv_PL.sum(0)
 
 

@@ -14,6 +14,12 @@ trainer's implementation lives in mmtrain/parallel/context_parallel.py):
 The result for a query token is the single-process one: the same keys, the same rule, the same
 picks. Tokens of a tile that belong to another rank ride along with zero queries and are dropped.
 
+Every rank of the group makes the same collectives, forward and backward, whatever its chunk
+holds: a rank whose chunk is only padding runs no tile but keeps the fetched K/V in its graph, so
+its backward joins the reverse exchange too. Host syncs (each stalls a GPU queue): the tile range
+(loop bounds; once per forward, shared by the sparse layers) and the fetch's split sizes (one
+`.tolist()` per sparse layer: the all-to-all takes host lists).
+
 Legend: B rows, H query heads, K kv heads, G selection heads, S row tokens, s = hi - lo the rank's
 tokens, D head dim, A aligned blocks, Bs block size, L = A * Bs aligned slots, Y the rank's tiles,
 P ranks of the group, n rows exchanged, F = 2 * K * D (a slot's key and value).
@@ -56,6 +62,7 @@ class ContextComm(Protocol):
 class ContextShard:
     comm: ContextComm
     seq_len: int  # S
+    tiles_of: tuple | None = None  # (meta, its tile range): `_tile_range`'s memo for one forward
 
     @property
     def chunk(self) -> int:
@@ -92,11 +99,17 @@ def _to_aligned_local(x_BHsD: Tensor, slot_Bs: Tensor, L: int) -> Tensor:
 
 
 def _tile_range(meta: AttnMeta, shard: ContextShard) -> tuple[int, int]:
-    """The aligned tiles holding the rank's real tokens (padding's outputs are never read)."""
+    """The aligned tiles holding the rank's real tokens (padding's outputs are never read); (0, 0)
+    when it holds none. One host sync per forward: every sparse layer shares the meta."""
+    if shard.tiles_of is not None and shard.tiles_of[0] is meta:
+        return shard.tiles_of[1]
     ablk_Bs, real_Bs = shard.local(meta.ablk_BS), shard.local(meta.real_BS)
-    if not bool(real_Bs.any()):
-        return 0, 0
-    return int(ablk_Bs[real_Bs].min()), int(ablk_Bs[real_Bs].max()) + 1
+    big = torch.iinfo(ablk_Bs.dtype).max
+    lo_hi = torch.stack([torch.where(real_Bs, ablk_Bs, big).amin(),
+                         torch.where(real_Bs, ablk_Bs, -1).amax() + 1])
+    t0, t1 = lo_hi.tolist() if real_Bs.numel() else (big, 0)  # host sync: the tile loop's bounds
+    shard.tiles_of = (meta, (t0, t1) if t1 > 0 else (0, 0))
+    return shard.tiles_of[1]
 
 
 def _partial_means(x_BHsD: Tensor, meta: AttnMeta, shard: ContextShard) -> Tensor:
@@ -145,21 +158,28 @@ def _fetch(k_BKsD: Tensor, v_BKsD: Tensor, need_BA: Tensor, meta: AttnMeta, shar
     kv_nF = torch.cat([k_BKsD, v_BKsD], 1).transpose(1, 2).reshape(B * s, 2 * K * D)  # row order
     row_B1 = s * torch.arange(B, device=k_BKsD.device)[:, None]
     local_BL = torch.where(mine_BL, lay.src_BL - shard.lo, 0) + row_B1
-    sends, in_P, out_P, recv = [], [], [], []
-    for p in range(comm.size):
-        send_BL = mine_BL & need_PBL[p] if p != comm.rank else torch.zeros_like(mine_BL)
-        sends.append(kv_nF.index_select(0, local_BL[send_BL]))  # (b, slot) order: the receiver's too
-        recv_BL = (owner_BL == p) & need_PBL[comm.rank] if p != comm.rank else torch.zeros_like(mine_BL)
-        in_P.append(sends[-1].shape[0])
-        out_P.append(int(recv_BL.sum()))
-        recv.append(recv_BL.nonzero())
-    got_nF = comm.exchange(torch.cat(sends), out_P, in_P)
+    peer_P = torch.arange(comm.size, device=owner_BL.device) != comm.rank
+    send_Pn = (mine_BL & need_PBL).flatten(1) & peer_P[:, None]  # (P, B * L): rows to each peer
+    recv_n = (need_PBL[comm.rank] & (owner_BL >= 0) & ~mine_BL).flatten()  # rows from their owners
+    recv_P = torch.zeros(comm.size, dtype=torch.int64, device=owner_BL.device).scatter_add_(
+        0, owner_BL.flatten().clamp_min(0), recv_n.long())
+    in_P, out_P = torch.stack([send_Pn.sum(1), recv_P]).tolist()  # host sync: the exchange's splits
+    # (peer, b, slot) order on both sides: the n first of an argsort that puts the others last
+    n_send = _first(send_Pn.flatten(), sum(in_P)) % (B * L)
+    got_nF = comm.exchange(kv_nF.index_select(0, local_BL.flatten().index_select(0, n_send)), out_P, in_P)
+    key_n = owner_BL.flatten().clamp_min(0) * (B * L) + torch.arange(B * L, device=owner_BL.device)
+    n_recv = key_n.masked_fill(~recv_n, key_n.numel() * comm.size).argsort()[:sum(out_P)]
     flat_Bs = slot_Bs + L * torch.arange(B, device=slot_Bs.device)[:, None]
-    rows_n2 = torch.cat(recv)
-    flat_n = torch.cat([flat_Bs.reshape(-1), rows_n2[:, 0] * L + rows_n2[:, 1]])
+    flat_n = torch.cat([flat_Bs.reshape(-1), n_recv])
     buf_nF = kv_nF.new_zeros(B * L, 2 * K * D).index_copy(0, flat_n, torch.cat([kv_nF, got_nF]))
     k_BKLD, v_BKLD = buf_nF.view(B, L, 2 * K, D).transpose(1, 2).split(K, 1)
     return k_BKLD, v_BKLD
+
+
+def _first(mask_n: Tensor, n: int) -> Tensor:
+    """The indices of the n set entries of mask_n, in order (n known: no sync, unlike nonzero)."""
+    idx_n = torch.arange(mask_n.numel(), device=mask_n.device)
+    return idx_n.masked_fill(~mask_n, mask_n.numel()).argsort()[:n]
 
 
 def _attend_sparse(q_BHsD: Tensor, k_BKsD: Tensor, v_BKsD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
@@ -176,8 +196,10 @@ def _attend_sparse(q_BHsD: Tensor, k_BKsD: Tensor, v_BKsD: Tensor, meta: AttnMet
     k_BKLD, v_BKLD = _fetch(k_BKsD, v_BKsD, need_BA, meta, shard, slot_Bs)
     q_BHYD = _to_aligned_local(q_BHsD, slot_Bs, L)[:, :, t0 * Bs:t1 * Bs]
     out_BHYD = sparse_tiles(q_BHYD, k_BKLD, v_BKLD, meta, cfg, sel, lists_BGAT, t0, q_BHsD, k_BKsD, v_BKsD)
-    if t1 == t0:  # padding only: zeros, still tied to q, k, v (zero gradients, as on every rank)
-        return q_BHsD * 0 + (k_BKsD.sum() + v_BKsD.sum()) * 0
+    if t1 == t0:  # padding only: zeros, still tied to q, k, v and to the fetched K/V, so that its
+        # backward runs the reverse exchange that the peers run (else they wait for it forever)
+        tied = k_BKsD.sum() + v_BKsD.sum() + k_BKLD.sum() + v_BKLD.sum() + out_BHYD.sum()
+        return q_BHsD * 0 + tied * 0
     idx_Bs = (slot_Bs - t0 * Bs).clamp(0, out_BHYD.shape[2] - 1)
     out_BHsD = out_BHYD.gather(2, idx_Bs[:, None, :, None].expand(B, H, s, D))
     real_B1s1 = shard.local(meta.real_BS)[:, None, :, None]

@@ -7,6 +7,10 @@ expert-parallel dispatcher (mmtrain/parallel/expert_parallel.py) sends the rows 
 hold their experts with an uneven all-to-all; the trainer installs it on each MoE layer from
 outside the model files, through `MoE.dispatcher`.
 
+`chunks(T, chunk, device)` is how many times the layer calls the dispatcher for T tokens in chunks of
+`chunk` (models/chunked.py): here the chunks T needs; a collective dispatcher returns the same
+count on every rank of its group (the most any rank needs), whatever each rank's T.
+
 Tokens that are not routed (padding) carry the virtual expert E: sorted last, not counted, never
 computed by an expert; they enter as zeros and leave as zeros.
 
@@ -18,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..chunked import chunk_count
 
 Tensor = torch.Tensor
 
@@ -60,6 +66,9 @@ def combine(y_RD: Tensor, rows: Sorted, w_TK: Tensor, x_TD: Tensor) -> Tensor:
 
 class LocalDispatcher:
     """Every row stays here: sorted by expert, run through all experts at once, unsorted."""
+
+    def chunks(self, T: int, chunk: int, device: torch.device) -> int:
+        return chunk_count(T, chunk)
 
     def __call__(self, experts, x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor) -> Tensor:
         rows = sort_by_expert(idx_TK, experts.w_in_EDF2.shape[0])

@@ -62,7 +62,9 @@ class MoE(nn.Module):
         group_T = (mod_T != 0).long() if self.cfg.modality_groups else torch.zeros_like(mod_T)
         r = self.router(x_TD, group_T)
         idx_TK = torch.where(real_T[:, None], r.idx_TK, self.cfg.n_routed)  # padding: the virtual expert
-        y_TD = over_tokens(self._ffn, self.token_chunk, x_TD, idx_TK, r.w_TK)
+        # as many chunks as every rank of a collective dispatch runs (the same count on each)
+        n_chunks = self.dispatcher.chunks(B * S, self.token_chunk, x_TD.device)
+        y_TD = over_tokens(self._ffn, self.token_chunk, x_TD, idx_TK, r.w_TK, n_chunks=n_chunks)
         aux = self.router.aux(r, group_T, mod_T, real_T, B, S, row_sum)
         return y_TD.view(B, S, D).to(x_BSD.dtype), aux
 

@@ -58,3 +58,21 @@ def test_over_tokens_checkpoints_each_chunk():
     torch.testing.assert_close(x.grad, 2 * x.detach().cos())
     with torch.no_grad():
         assert torch.equal(over_tokens(fn, 4, x), fn(x))
+
+
+def test_a_fixed_chunk_count_runs_empty_chunks_in_forward_and_in_the_recompute():
+    """n_chunks beyond what T needs (a collective dispatch agreed with ranks holding more tokens):
+    fn runs exactly n_chunks times in forward and again in backward's recompute, same result."""
+    calls = []
+
+    def fn(x_TD):
+        calls.append(x_TD.shape[0])
+        return x_TD.sin() * 2
+
+    x_TD = torch.randn(10, 3, requires_grad=True)
+    y_TD = over_tokens(fn, 4, x_TD, n_chunks=5)  # 3 chunks hold the tokens, 2 are empty
+    assert calls == [4, 4, 2, 0, 0]
+    y_TD.sum().backward()
+    assert sorted(calls[5:]) == [0, 0, 2, 4, 4]  # every chunk recomputed, the empty ones too
+    torch.testing.assert_close(y_TD, x_TD.sin() * 2)
+    torch.testing.assert_close(x_TD.grad, x_TD.detach().cos() * 2)

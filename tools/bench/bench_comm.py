@@ -214,6 +214,9 @@ class RowCounter:
             self.to_P[p] += n
         return self.inner(experts, x_TD, idx_TK, w_TK)
 
+    def chunks(self, *args) -> int:
+        return self.inner.chunks(*args)
+
 
 def worker(mesh: dict, out: str) -> None:
     import torch

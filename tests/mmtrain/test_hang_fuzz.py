@@ -1,0 +1,62 @@
+"""Hang-freedom: whatever each rank's batch holds, every rank makes the same collectives.
+
+The real trainer (mesh, model, objective: contrast, visual_next, token weighting where the mesh
+allows them; MoE token chunks small enough to split) trains a few steps on per-rank batches of
+every shape the data can take (hang_worker.py: row subsets, padding-only context chunks, no media,
+the one-row pad batch), then evaluates shards of different lengths, on gloo with a short collective
+timeout, so a hang fails the test instead of blocking CI. And when a collective does time out,
+each rank names the one it waited in and where it was called from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from dist_runs import launch, write_config
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+WORKER = Path(__file__).resolve().parent / "hang_worker.py"
+ALL_TERMS = ["loss.contrast.weight=1", "loss.token_weighting.strength=0.5"]  # not under cp (config check)
+BASE = ["dist.timeout_s=15", "model.visual_head=true", "loss.visual_next.weight=1",
+        "model.decoder.ffn_chunk=96", "model.decoder.attention.full_tile=16", "data.batch_size=2"]
+MESHES = {  # (ranks, overrides)
+    "fsdp2": (2, ALL_TERMS),
+    "hsdp2x2-ep2": (4, ["dist.dp_replicate=2", "dist.ep=2", "dist.activation_checkpointing=true",
+                        *ALL_TERMS]),
+    # ffn_chunk off: under cp without activation checkpointing its recompute saves other tensors
+    # than its forward (CheckpointError, not a hang; seen with and without this branch's changes)
+    "cp2": (2, ["dist.cp=2", "model.decoder.ffn_chunk=0"]),
+    "fsdp2-cp2-ep2": (4, ["dist.cp=2", "dist.ep=2", "dist.activation_checkpointing=true"]),
+}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_fuzzed_per_rank_batches_never_hang(raw_for, tmp_path, mesh):
+    nproc, overrides = MESHES[mesh]
+    config = write_config(raw_for, tmp_path / "run", [*BASE, *overrides])
+    out = tmp_path / "fuzz.json"
+    run = launch([str(WORKER), "fuzz", str(config), "0", "3", str(out)], nproc, timeout=150, check=False)
+    named = [t for t in run.stderr.splitlines() if t.startswith("mmtrain: rank") or "Error:" in t]
+    assert run.returncode == 0, "\n".join(named) or run.stderr[-4000:]  # the collective each rank was in
+    kinds = {b[0] for b in json.loads(out.read_text())["batches"]}
+    assert len(kinds) == 3  # rank 0's three steps took three shapes (the others, others)
+
+
+@pytest.mark.parametrize("case", ["all_reduce", "all_to_all"])
+def test_a_timed_out_collective_names_itself_and_its_call_site_on_each_rank(tmp_path, case):
+    """Rank 1 skips one (an all-reduce; the all-to-all that EP and CP call through comm.py)."""
+    out = tmp_path / "note"
+    launch([str(WORKER), "mismatch", str(out), case], nproc=2, timeout=60)
+    lines = WORKER.read_text().splitlines()
+    skipped = next(i for i, t in enumerate(lines, 1) if t.endswith(f"# SKIPPED-BY-RANK-1 {case}"))
+    waits = next(i for i, t in enumerate(lines, 1) if t.endswith("# RANK-1-WAITS"))
+    note0, note1 = (Path(f"{out}.{r}").read_text() for r in (0, 1))
+    op, shape = {"all_reduce": ("all_reduce", "(3,)"),
+                 "all_to_all": ("all_to_all_single", "(2,), (2,)")}[case]
+    assert note0.startswith(f"rank 0: {op} #2 on group world ({shape}) from ")
+    assert f"tests/mmtrain/hang_worker.py:{skipped} " in note0
+    assert note1.startswith("rank 1: all_gather #2 on group world (2 x (5,), (5,)) from "
+                            f"tests/mmtrain/hang_worker.py:{waits} ")
+    assert "imed out" in note0  # rank 1 fails at its own timeout or when rank 0 gives up (closed)
