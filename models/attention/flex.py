@@ -145,7 +145,7 @@ def full_block_mask(meta: AttnMeta):
     first_BX = F.pad(meta.first_BS, (0, X * Bf - S)).view(B, X, Bf)[..., 0]
     lo_full_BX = -(-first_BX // Bf)
     full_BXY = (one_BX[..., None] & (y_Y >= lo_full_BX[..., None]) & (y_Y < y_Y[:, None]) & reach_BXY
-                & meta.docs_contiguous)
+                & meta.contiguous)  # a tensor: no host read
     extra = 2 * Bf
     doc_BX, skey_BX = _pad(meta.doc_BS, X * Bf - S + extra, meta.null), meta.skey_BS
     pad_BE = -torch.arange(S + 1, X * Bf + extra + 1, device=skey_BX.device).expand(B, -1)
