@@ -99,3 +99,21 @@ def test_static_aligned_length_under_a_document_cap(seed):
         got = attend(q, k, v, capped, cfg, sparse=True)
         want = attend(q, k, v, build_meta(doc_BS, span_BS, Bs), cfg, sparse=True)
         assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_caption_prefill_sees_bucketed_prompt_lengths(monkeypatch, seed):
+    """Prompts of 5 .. 60 tokens: prefill's attention runs at 16, 32 or 64 positions only
+    (`prompt_bucket`: powers of two), and what it returns is the unpadded prompts'."""
+    from mmtrain.models.inference import engine, prefill
+    from mmtrain.models.testing import pack, random_doc
+
+    seen = set()
+    attend_ = engine.attend
+    monkeypatch.setattr(engine, "attend", lambda q, *a, **kw: seen.add(q.shape[2]) or attend_(q, *a, **kw))
+    model = _tiny("gather").eval()
+    lengths = range(5, 61, 5)
+    for n in lengths:
+        inputs = pack([[random_doc(32, model.cfg.vision.patch_dim, n)]], n, model.cfg.vision.patch_dim)
+        hidden_BSD, cache = prefill(model, **inputs, capacity=n + 4)
+        assert hidden_BSD.shape[1] == n and int(cache.len_B[0]) == n
+    assert seen == {16, 32, 64}, seen
