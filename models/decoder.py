@@ -15,7 +15,7 @@ from torch import nn
 
 from mmtrain.checks import check
 
-from .attention import AttentionConfig, attend, build_meta
+from .attention import AttentionConfig, build_meta
 from .attention.api import measure
 from .attention.context import ContextShard
 from .chunked import over_tokens
@@ -96,10 +96,14 @@ class DecoderLayer(nn.Module):
         computed from them outside the layer, so a compiled layer (under FSDP too) returns them as
         outputs, one graph per flag value. With `context`, x and modality are this rank's chunk of
         every row, meta the whole rows'."""
-        q_BHSE, k_BKSE, v_BKSE = self.attn.project(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF)
-        o_BHSE = attend(q_BHSE, k_BKSE, v_BKSE, meta, attn_cfg, sparse=self.sparse, context=context)
-        x_BSD = x_BSD + self.attn.output(o_BHSE)
-        qk = {"q": q_BHSE.detach(), "k": k_BKSE.detach()} if measured else {}
+        qk = {}
+        if measured:
+            a_BSD, qk["q"], qk["k"] = self.attn(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF, meta, attn_cfg,
+                                                sparse=self.sparse, context=context, return_qk=True)
+        else:
+            a_BSD = self.attn(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF, meta, attn_cfg, sparse=self.sparse,
+                              context=context)
+        x_BSD = x_BSD + a_BSD
         if context is None:
             return *self.feed_forward(x_BSD, modality_BS, meta.real_BS), qk
         return *self.feed_forward(x_BSD, modality_BS, context.local(meta.real_BS), context.comm.sum), qk
