@@ -35,15 +35,15 @@ def test_compiled_fsdp_ranks_match_eager(make_raw, tmp_path):
 
 
 def test_compiled_fsdp_run_with_diagnostics(make_raw, tmp_path):
-    """A compiled 2-rank run with diagnostics at steps 0 and 2 (captures of every layer) and the
-    attention counts logged: it trains, and the logged counts are the layers'."""
+    """A compiled 2-rank run with diagnostics (captures of every layer, eval mode, no grad, through
+    the FSDP-wrapped compiled layers) before step 1 and at the end: it completes."""
     run = tmp_path / "run"
-    config = write_config(make_raw, run, ["train.steps=2", "train.ckpt_every=0", "diagnostics.every=2",
+    config = write_config(make_raw, run, ["train.steps=1", "train.ckpt_every=0", "diagnostics.every=2",
                                           "diagnostics.batches=1", "diagnostics.warmup_steps=0",
                                           "train.eval_batches=0", "dist.strategy=fsdp", *COMPILED])
     train(config, 2)
     diags = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
-    assert [d["step"] for d in diags] == [0, 2]
+    assert [d["step"] for d in diags] == [0, 1] and all(d["attention"] and d["pointing"] for d in diags)
     recs = step_records(run)
-    assert sorted(recs) == [1, 2]
+    assert sorted(recs) == [1]
     assert all(r["loss"] == r["loss"] for r in recs.values())  # finite
