@@ -16,6 +16,7 @@ from torch import nn
 from mmtrain.checks import check
 
 from .attention import AttentionConfig, build_meta
+from .attention.api import measure
 from .attention.context import ContextShard
 from .chunked import over_tokens
 from .ffn import SwiGLU
@@ -88,15 +89,24 @@ class DecoderLayer(nn.Module):
                     else SwiGLU(cfg.dim, cfg.ffn_dim))
 
     def forward(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor, meta, attn_cfg: AttentionConfig,
-                modality_BS: Tensor, capture: dict | None = None, stats: dict | None = None,
-                context: ContextShard | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-        """-> (x, aux); aux is {} for a dense FFN, else the MoE's losses and load (a pytree). With
-        `context`, x and modality are this rank's chunk of every row, meta the whole rows'."""
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF, meta, attn_cfg,
-                                  sparse=self.sparse, capture=capture, stats=stats, context=context)
+                modality_BS: Tensor, measured: bool = False, context: ContextShard | None = None
+                ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+        """-> (x, aux, qk); aux is {} for a dense FFN, else the MoE's losses and load (a pytree);
+        qk is {"q", "k"} (detached) when `measured`, else {}: captures and attention counts are
+        computed from them outside the layer, so a compiled layer (under FSDP too) returns them as
+        outputs, one graph per flag value. With `context`, x and modality are this rank's chunk of
+        every row, meta the whole rows'."""
+        qk = {}
+        if measured:
+            a_BSD, qk["q"], qk["k"] = self.attn(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF, meta, attn_cfg,
+                                                sparse=self.sparse, context=context, return_qk=True)
+        else:
+            a_BSD = self.attn(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF, meta, attn_cfg, sparse=self.sparse,
+                              context=context)
+        x_BSD = x_BSD + a_BSD
         if context is None:
-            return self.feed_forward(x_BSD, modality_BS, meta.real_BS)
-        return self.feed_forward(x_BSD, modality_BS, context.local(meta.real_BS), context.comm.sum)
+            return *self.feed_forward(x_BSD, modality_BS, meta.real_BS), qk
+        return *self.feed_forward(x_BSD, modality_BS, context.local(meta.real_BS), context.comm.sum), qk
 
     def feed_forward(self, x_BSD: Tensor, modality_BS: Tensor, real_BS: Tensor,
                      row_sum=None) -> tuple[Tensor, dict]:
@@ -185,6 +195,8 @@ class Decoder(nn.Module):
         for the counts of what its attention visited (keys, kept and reachable blocks). With
         `context` (context parallelism) the inputs are whole rows and the outputs this rank's chunk."""
         meta = build_meta(doc_ids_BS, span_ids_BS, self.cfg.attention.block_size)  # once, all layers
+        if context is not None and (capture_layers or attn_stats):
+            raise ValueError("attend: capture and stats need whole rows (run without context parallelism)")
         if context is not None:
             if visual_QD is not None:
                 visual_QD = local_visual(modality_BS, visual_QD, context.lo, context.hi)
@@ -198,11 +210,12 @@ class Decoder(nn.Module):
         stats = {i: {} for i in range(len(self.layers))} if attn_stats else {}
         aux_losses: dict[str, Tensor] = {}
         load, entropy = {}, {}
-        for i, layer in enumerate(self.layers):
-            if i in captures or i in stats:  # measuring: the eager layer (a compiled one would
-                layer = getattr(layer, "_orig_mod", layer)  # break its graph and recompile)
-            h_BSD, aux = layer(h_BSD, cos_B1SF, sin_B1SF, meta, self.cfg.attention, modality_BS,
-                               captures.get(i), stats.get(i), context)
+        for i, layer in enumerate(self.layers):  # the layer as wrapped (compiled, FSDP): its hooks run
+            h_BSD, aux, qk = layer(h_BSD, cos_B1SF, sin_B1SF, meta, self.cfg.attention, modality_BS,
+                                   i in captures or i in stats, context)
+            if qk:  # eager, outside the compiled layer (the selection reads the host)
+                measure(qk["q"], qk["k"], meta, self.cfg.attention, self.cfg.is_sparse(i), captures.get(i),
+                        stats.get(i))
             if aux:
                 for name in ("moe_seq_balance", "router_z"):
                     aux_losses[name] = aux_losses.get(name, 0.0) + aux[name]

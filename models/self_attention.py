@@ -35,11 +35,14 @@ class SelfAttention(nn.Module):
 
     def forward(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor, meta, cfg: AttentionConfig,
                 sparse: bool = False, capture: dict | None = None, stats: dict | None = None,
-                context=None) -> Tensor:
-        """`context` (attention/context.py): x is this rank's chunk of every row."""
+                context=None, return_qk: bool = False) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+        """`context` (attention/context.py): x is this rank's chunk of every row. `return_qk`: also
+        q and k (detached), what captures and attention counts are computed from."""
         q_BHSE, k_BKSE, v_BKSE = self.project(x_BSD, cos_B1SF, sin_B1SF)
         o_BHSE = attend(q_BHSE, k_BKSE, v_BKSE, meta, cfg, sparse=sparse, capture=capture, stats=stats,
                         context=context)
+        if return_qk:
+            return self.output(o_BHSE), q_BHSE.detach(), k_BKSE.detach()
         return self.output(o_BHSE)
 
     def project(self, x_BSD: Tensor, cos_B1SF: Tensor, sin_B1SF: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -27,10 +27,14 @@ class DistConfig:
     reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (ZeRO-3) or keep them
     activation_checkpointing: bool = False  # recompute each vision block and decoder layer in backward
     compile: bool = False  # torch.compile each vision block and decoder layer
+    # torch.compile's backend: inductor (the production path); aot_eager traces the same graphs
+    # (Dynamo + AOTAutograd, FSDP2's hooks included) without generating code: the CPU tests' choice
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     meta_init: bool = True  # FSDP on CUDA: build on the meta device, shard, then initialise (no full copy)
 
     def __post_init__(self):
         check(self, "timeout_s", gt=0)
+        check(self, "compile_backend", choices=("inductor", "aot_eager"))
         check(self, "dp_replicate", "cp", "ep", ge=1)
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"dp_shard: must be >= 1 or -1 (the rest of the world) (got {self.dp_shard})")

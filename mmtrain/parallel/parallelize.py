@@ -25,6 +25,7 @@ import inspect
 from typing import TYPE_CHECKING
 
 import torch
+import torch._dynamo
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -81,11 +82,33 @@ def _apply_checkpointing_and_compile(model: MultimodalModel, cfg: RunConfig, dev
     if cfg.dist.activation_checkpointing:
         prime_probes(device)
     for blocks in block_lists(model):
-        for i, block in enumerate(blocks):
+        for block in blocks:
             if cfg.dist.activation_checkpointing:
                 checkpoint_forward(block)
-            if cfg.dist.compile:
-                blocks[i] = torch.compile(block)  # state-dict keys gain `_orig_mod.`; DCP strips it
+    if cfg.dist.compile:
+        compile_blocks(model, cfg.dist.compile_backend)
+
+
+def compile_blocks(model: MultimodalModel, backend: str = "inductor") -> None:
+    """torch.compile every vision block and decoder layer, before FSDP wraps them (its hooks then run
+    around the compiled call; nothing may call `_orig_mod`, which would skip them). State-dict keys
+    gain `_orig_mod.`; DCP strips it.
+
+    Layers of one kind share graphs (Dynamo keys them on the code object): one per layer kind
+    (full / sparse x dense / MoE FFN) x measured or not (log steps' attention counts, captures:
+    decoder.py) x grad mode x train / eval mode. Dynamo's recompile limit (8 by default) is raised to
+    that bound, or past it layers would run eagerly."""
+    dec = model.decoder.cfg
+    kinds = len({(dec.is_sparse(i), dec.is_moe(i)) for i in range(dec.n_layers)})
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, layer_graphs(kinds))
+    for blocks in block_lists(model):
+        for i, block in enumerate(blocks):
+            blocks[i] = torch.compile(block, backend=backend)
+
+
+def layer_graphs(kinds: int) -> int:
+    """The most graphs the decoder layers' forward compiles to (compile_blocks)."""
+    return kinds * 2 * 2 * 2  # x measured x grad mode x train / eval
 
 
 def prime_probes(device: torch.device) -> None:

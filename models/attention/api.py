@@ -63,6 +63,15 @@ def attend(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: 
     return backend.run(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel).to(q_BHSD.dtype)
 
 
+def measure(q_BHSD: Tensor, k_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig, sparse: bool,
+            capture: dict | None, stats: dict | None) -> None:
+    """What `attend(capture=, stats=)` records, from a layer's q and k alone (eager, outside a
+    compiled layer: the selection reads the host): the selection is deterministic, so recomputing
+    it gives the blocks the layer kept."""
+    sel = select_blocks(q_BHSD, k_BKSD, meta, cfg) if sparse else None
+    _measure(q_BHSD, k_BKSD, meta, cfg, sparse, sel, capture, stats)
+
+
 def _measure(q_BHSD: Tensor, k_BKSD: Tensor, meta: AttnMeta, cfg: AttentionConfig, sparse: bool,
              sel: Selection | None, capture: dict | None, stats: dict | None) -> None:
     if capture is not None:

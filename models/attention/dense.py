@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from .blocks import kept
 from .config import AttentionConfig
 from .meta import AttnMeta, token_mask
-from .registry import ANY, BOTH, Backend, register_backend
+from .opaque import attend_sparse_opaque
+from .registry import ANY, BOTH, SPARSE, Backend, register_backend
 from .select import Selection
 
 Tensor = torch.Tensor
@@ -80,4 +81,7 @@ def run_dense(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cf
     return attend_dense(q_BHSD, k_BKSD, v_BKSD, meta, cfg, sel, eager=cfg.dense_impl == "eager")
 
 
-register_backend(Backend("dense", run_dense, layers=BOTH, devices=ANY, train=ANY))
+# Sparse layers as the opaque op under torch.compile: their selection reads the host. Full layers
+# trace (the mask is S x S from tensors alone).
+register_backend(Backend("dense", run_dense, layers=BOTH, devices=ANY, train=ANY,
+                         opaque={SPARSE: attend_sparse_opaque}))

@@ -14,6 +14,16 @@ Flex's Triton kernels need the BlockMask's block size to be a multiple of their 
 a sparse layer's BlockMask is built at Bf = lcm(Bs, 128) (a coarse pair is listed if any of its
 Bs-pairs is); a full layer's at 128 (it has no blocks).
 
+Compiled flex (`dynamic=False`) compiles once per shape: a full layer's is (B, S); a sparse
+layer's L = A * Bs, with A bounded (meta.py: static under a document cap, else one of
+`aligned_sizes`), and the BlockMask's (B, H, X, X) follows A. Host reads while building the
+masks (each a stall of the GPU queue; none changes a shape the kernel sees):
+  * meta.aligned_blocks without a document cap (one int per forward, cached);
+  * select.py's per-chunk earliest document start (`_select`: bounds the scored key range);
+  * blocks.py's list widths T (`_dedupe`) and range widths W (`_ranges`): the lists are sized to
+    the longest, not to A (memory O(A * T) instead of O(A * A)).
+Full layers' BlockMask reads none (document contiguity is the tensor `meta.contiguous`).
+
 Legend: B batch, H query heads, K kv heads, S tokens, D head dim, G selection heads (H, K),
 Bs block size, Bf = lcm(Bs, 128) flex block size, f = Bf // Bs, X / Y coarse query / key tiles,
 A aligned blocks, L aligned slots, T listed blocks per tile, k = top_k.
@@ -145,7 +155,7 @@ def full_block_mask(meta: AttnMeta):
     first_BX = F.pad(meta.first_BS, (0, X * Bf - S)).view(B, X, Bf)[..., 0]
     lo_full_BX = -(-first_BX // Bf)
     full_BXY = (one_BX[..., None] & (y_Y >= lo_full_BX[..., None]) & (y_Y < y_Y[:, None]) & reach_BXY
-                & meta.docs_contiguous)
+                & meta.contiguous)  # a tensor: no host read
     extra = 2 * Bf
     doc_BX, skey_BX = _pad(meta.doc_BS, X * Bf - S + extra, meta.null), meta.skey_BS
     pad_BE = -torch.arange(S + 1, X * Bf + extra + 1, device=skey_BX.device).expand(B, -1)

@@ -31,7 +31,8 @@ from .blocks import block_tables, full_intervals, sparse_lists, tile_keep, tile_
 from .config import AttentionConfig
 from .meta import AttnMeta
 from .opaque import attend_sparse_opaque
-from .registry import ANY, BOTH, SPARSE, Backend, register_backend
+from .registry import ANY, BOTH, FULL, SPARSE, Backend, register_backend
+from .sdpa import attend_sdpa_opaque
 from .select import Selection, from_aligned, to_aligned
 from .tiles import plan_chunks, tile_attention, tiles_backward, tiles_forward, unit_stride
 
@@ -249,5 +250,7 @@ def run_gather(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, c
 
 
 register_backend(Backend("gather", run_gather, layers=BOTH, devices=ANY, train=ANY,
-                         opaque={SPARSE: attend_sparse_opaque}, saved=(saved_forward, saved_backward),
-                         auto=4))
+                         # full layers too: their tile ranges are read on the host (the full op's
+                         # body resolves gather again and runs it; backward recomputes)
+                         opaque={SPARSE: attend_sparse_opaque, FULL: attend_sdpa_opaque},
+                         saved=(saved_forward, saved_backward), auto=4))

@@ -12,6 +12,21 @@ row's documents one after the other, each starting on a multiple of Bs, so every
 is exactly one document block (a document wastes < Bs slots; empty slots hold no token).
 Everything is O(S) per row (no Q x Q table), so metadata stays small at 1M tokens.
 
+Its length A is bounded so that compiled code (flex's kernel, its BlockMask) sees few shapes: a
+document of n tokens takes ceil(n / Bs) blocks and ceil(a) + ceil(b) <= ceil(a + b) + 1, so a
+row of D documents (a padding run counts as one) needs A <= Q + D - 1 blocks, and A <= S (no
+block is empty). With a per-row document cap (`max_docs`) A is static, min(S, Q + max_docs - 1),
+and nothing is read on the host (an async assert guards the cap); without one the longest row's
+need is read once per forward and A = Q + its excess over Q rounded up to a power of two (capped
+at S): `aligned_sizes` lists the at most ceil(log2(S - Q)) + 2 values. Empty trailing blocks
+change nothing computed (they hold no token; every backend already pads shorter rows so).
+
+Host reads left (each once per forward, cached in `AttnMeta.cache`; none under `max_docs` for A):
+  aligned_blocks  without a document cap: the bucket of the longest row's need (one int);
+  has_spans       flash only (it cannot do bidirectional spans; a CUDA eager choice);
+  docs_contiguous sdpa's and flash's `usable` (the backend choice is a host decision); flex reads
+                  the tensor form (`contiguous`) instead.
+
 Legend: B batch rows, S tokens, P = Q * Bs row tokens padded to whole blocks, Q row blocks,
 A aligned blocks, L = A * Bs aligned slots, Bs block size.
 """
@@ -71,6 +86,7 @@ class AttnMeta:
     vis_BS: Tensor  # bool: visual token
     blocks_B: Tensor  # int64 aligned blocks each row needs
     null: Tensor  # int64 scalar: a document id no token has (empty slots, padded blocks)
+    max_docs: int = 0  # per-row document cap: A static (0: A bucketed from the longest row's need)
     # Per-forward cache of what layers share (aligned layout, gather intervals, flex BlockMasks,
     # the host values below).
     cache: dict = field(default_factory=dict, repr=False)
@@ -82,18 +98,28 @@ class AttnMeta:
         return self._host("has_spans", lambda: bool(self.vis_BS.any()))
 
     @property
-    def docs_contiguous(self) -> bool:
-        """Every document is one run of tokens (flash's cu_seqlens need it)."""
-        def contiguous() -> bool:
+    def contiguous(self) -> Tensor:
+        """bool scalar tensor: every document is one run of tokens (no host sync)."""
+        if "contiguous" not in self.cache:
             run_start_BS = F.pad(self.doc_BS[:, 1:] != self.doc_BS[:, :-1], (1, 0), value=True)
             pos_BS = torch.arange(self.seq_len, device=self.doc_BS.device).expand_as(self.doc_BS)
-            return bool((run_start_BS == (self.first_BS == pos_BS)).all())
-        return self._host("docs_contiguous", contiguous)
+            self.cache["contiguous"] = (run_start_BS == (self.first_BS == pos_BS)).all()
+        return self.cache["contiguous"]
+
+    @property
+    def docs_contiguous(self) -> bool:
+        """Every document is one run of tokens (flash's cu_seqlens need it)."""
+        return self._host("docs_contiguous", lambda: bool(self.contiguous))
 
     @property
     def aligned_blocks(self) -> int:
-        """A: aligned blocks per row (the longest row)."""
-        return self._host("aligned_blocks", lambda: max(int(self.blocks_B.max()), 1) if self.seq_len else 1)
+        """A: aligned blocks per row, bounded (see the module docstring): static under `max_docs`,
+        else the longest row's need bucketed (one host read)."""
+        S, Bs = self.seq_len, self.block_size
+        if self.max_docs:
+            return static_blocks(S, Bs, self.max_docs)
+        need = lambda: int(self.blocks_B.max()) if S else 1  # noqa: E731
+        return self._host("aligned_blocks", lambda: bucket_blocks(need(), S, Bs))
 
     def _host(self, name: str, fn):
         if name not in self.cache:
@@ -131,6 +157,25 @@ class AttnMeta:
         if "aligned" not in self.cache:
             self.cache["aligned"] = _aligned(self)
         return self.cache["aligned"]
+
+
+def static_blocks(S: int, Bs: int, max_docs: int) -> int:
+    """A for rows of S tokens holding at most `max_docs` documents (module docstring)."""
+    return max(min(S, -(-S // Bs) + max_docs - 1), 1)
+
+
+def bucket_blocks(need: int, S: int, Bs: int) -> int:
+    """A for a batch whose longest row needs `need` blocks: Q + the excess rounded up to a power of
+    two, capped at S (the most any row can need)."""
+    Q = -(-S // Bs)
+    excess = max(need - Q, 0)
+    return max(min(S, Q + (1 << (excess - 1).bit_length() if excess else 0)), need, 1)
+
+
+def aligned_sizes(S: int, Bs: int) -> list[int]:
+    """Every A `bucket_blocks` can give for rows of S tokens: ceil(log2(S - Q)) + 2 at most."""
+    Q = -(-S // Bs)
+    return sorted({bucket_blocks(need, S, Bs) for need in range(Q, max(S, Q) + 1)})
 
 
 def _span_extent(doc_BS: Tensor, span_BS: Tensor) -> tuple[Tensor, Tensor]:
@@ -175,12 +220,13 @@ def _doc_ranks(doc_BS: Tensor, Bs: int) -> tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 @torch.no_grad()
-def build_meta(doc_ids_BS: Tensor, span_ids_BS: Tensor, block_size: int) -> AttnMeta:
+def build_meta(doc_ids_BS: Tensor, span_ids_BS: Tensor, block_size: int, max_docs: int = 0) -> AttnMeta:
     """Build the metadata once per forward; every layer (and every backend) reuses it. No host
     synchronisation: three steps of tensor ops (documents, spans; host values lazily, in AttnMeta).
 
     doc_ids (B, S): document of each token (ids < 0: padding); span_ids (B, S): visual span of
-    each visual token (>= 0; unique within a document), -1 for text."""
+    each visual token (>= 0; unique within a document), -1 for text; max_docs: a per-row cap on
+    documents (padding runs count) that makes the aligned layout's length static (0: none)."""
     if doc_ids_BS.shape != span_ids_BS.shape or doc_ids_BS.dim() != 2:
         raise ValueError(f"doc_ids/span_ids: need equal (B, S) shapes (got {tuple(doc_ids_BS.shape)} "
                          f"and {tuple(span_ids_BS.shape)})")
@@ -204,7 +250,7 @@ def build_meta(doc_ids_BS: Tensor, span_ids_BS: Tensor, block_size: int) -> Attn
         block_size=Bs, seq_len=S, doc_BS=doc_BS, skey_BS=skey_BS, rank_BS=rank_BS, first_BS=first_BS,
         span_last_BS=span_last_BS, span_lo_BS=span_lo_BS, span_hi_BS=span_hi_BS,
         ablk_BS=base_BS + rank_BS // Bs, base_BS=base_BS, vis_BS=vis_BS, blocks_B=blocks_B,
-        null=doc_BS.amin() - 1 if S else doc_BS.new_tensor(-1),
+        null=doc_BS.amin() - 1 if S else doc_BS.new_tensor(-1), max_docs=max_docs,
     )
 
 
@@ -212,6 +258,8 @@ def _aligned(meta: AttnMeta) -> AlignedLayout:
     """Scatter the row's per-token tables into the aligned layout (empty slots get `null`)."""
     B, S, Bs, A = meta.batch, meta.seq_len, meta.block_size, meta.aligned_blocks
     L, dev = A * Bs, meta.doc_BS.device
+    if meta.max_docs and S:  # a static A: the cap is a promise, checked without a host sync on CUDA
+        torch._assert_async(meta.blocks_B.max() <= A, f"max_docs: a row holds > {meta.max_docs} documents")
     slot_BS = meta.base_BS * Bs + meta.rank_BS
     pos_BS = torch.arange(S, device=dev).expand(B, S)
 

@@ -11,6 +11,11 @@ position t = h = w continuing after the prompt's largest position (after a mediu
 pipeline advances by max(t, h, w) of its merged grid, so that is exactly where training puts
 the text that follows).
 
+Prefill pads the prompts to a bucketed length (`prompt_bucket`: a power of two, whole blocks) with
+padding documents, so compiled code (flex's kernel on CUDA) sees log2 of the prompt lengths'
+range in shapes, not one per prompt; padding changes nothing computed (its own document, no
+cache entry read: decoding starts at each row's length).
+
 Legend: B rows, S prompt tokens, D model dim, V vocab, H query heads, K kv heads, G selection
 heads, E head dim, C cache capacity, N = C / Bs blocks, Q visual tokens.
 """
@@ -27,6 +32,21 @@ from .attend import full_decode, selection_heads, sparse_decode
 from .cache import KVCache, LayerCache, new_layer, refresh_kmean, round_capacity
 
 Tensor = torch.Tensor
+
+
+def prompt_bucket(S: int, block_size: int) -> int:
+    """The padded prompt length: the next power of two >= S (at least 16), in whole blocks."""
+    P = max(16, 1 << (S - 1).bit_length())
+    return -(-P // block_size) * block_size
+
+
+def pad_prompts(P: int, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, span_ids_BS: Tensor,
+                modality_BS: Tensor) -> tuple[Tensor, ...]:
+    """The prompt tensors padded to P positions: padding documents (-1), text, position 0."""
+    extra = P - tokens_BS.shape[1]
+    pad = torch.nn.functional.pad
+    return (pad(tokens_BS, (0, extra)), pad(pos_ids_3BS, (0, extra)), pad(doc_ids_BS, (0, extra), value=-1),
+            pad(span_ids_BS, (0, extra), value=-1), pad(modality_BS, (0, extra)))
 
 
 def prompt_lengths(doc_ids_BS: Tensor) -> Tensor:
@@ -57,12 +77,16 @@ def prefill(model, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, s
     len_B = prompt_lengths(doc_ids_BS)
     if visual_QD is None:
         visual_QD = encode_media(model, patches_NP, grid_thw_M3)
+    S = tokens_BS.shape[1]
+    P = prompt_bucket(S, cfg.block_size)
+    tokens_BS, pos_ids_3BS, doc_ids_BS, span_ids_BS, modality_BS = pad_prompts(
+        P, tokens_BS, pos_ids_3BS, doc_ids_BS, span_ids_BS, modality_BS)
     h_BSD = dec.embed(tokens_BS)
     if visual_QD is not None:
         h_BSD = scatter_visual(h_BSD, modality_BS, visual_QD)
     cos_B1SF, sin_B1SF = dec.rotary(pos_ids_3BS)
     meta = build_meta(doc_ids_BS, span_ids_BS, cfg.block_size)
-    C = round_capacity(max(capacity, tokens_BS.shape[1] + 1), cfg.block_size)  # room for one more
+    C = round_capacity(max(capacity, S + 1, P), cfg.block_size)  # room for one more, and the padding
     cache = new_cache(model, tokens_BS.shape[0], C, h_BSD.dtype)
     for layer, lc in zip(dec.layers, cache.layers):
         q_BHSE, k_BKSE, v_BKSE = layer.attn.project(layer.attn_norm(h_BSD), cos_B1SF, sin_B1SF)
@@ -72,7 +96,7 @@ def prefill(model, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, s
     real_3BS = (doc_ids_BS >= 0)[None].expand_as(pos_ids_3BS)
     cache.len_B = len_B
     cache.pos_B = torch.where(real_3BS, pos_ids_3BS, -1).amax(dim=(0, 2)) + 1
-    return dec.norm(h_BSD), cache
+    return dec.norm(h_BSD[:, :S]), cache
 
 
 @torch.no_grad()
