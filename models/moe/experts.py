@@ -110,8 +110,12 @@ register_expert_path(ExpertPath("loop", _loop, lambda dev, dtype: True, host_syn
 
 
 def local_tensor(t: Tensor) -> Tensor:
-    """This rank's shard of a DTensor (experts sharded over an expert-parallel mesh), else t."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """This rank's shard of a DTensor (experts sharded over an expert-parallel mesh), else t.
+    isinstance, not hasattr: Dynamo traces the check on a DTensor parameter as false for hasattr,
+    and the compiled graph then hands the DTensor to the grouped_mm op."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Experts(nn.Module):
