@@ -14,8 +14,12 @@ mismatch contrast's hinge / world (contrast.py: swapped-media copies of the medi
 the forward) + z_loss * mean lse^2 (scaled to this rank's share of trained tokens): the ranks' shares
 add up to the loss of one process holding the whole global batch. `end_step` hands the balancer the
 step signals it declares (task_loss, head_grad_norm: GradNorm's closed-form LM-head gradients) unless
-the step was skipped. Legend: B rows, S sequence, V vocabulary, D width, N patches, L layers, C
-attention counts (models/attention/counts.py).
+the step was skipped. Every term but the task losses is an entry of the registry in loss_terms/
+(its hooks run in the registry's order; the losses are added in it). The per-token CE comes from
+the model's full logits (`loss.ce_chunk: 0`, the reference) or from the LM head applied chunk by
+chunk to the final hidden states (`heads.py`, `chunked_ce.py`): no (B, S, V) tensor. Legend: B rows,
+S sequence, V vocabulary, D width, N patches, L layers, C attention counts
+(models/attention/counts.py).
 """
 
 from __future__ import annotations
