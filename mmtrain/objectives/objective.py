@@ -114,13 +114,20 @@ StepSums.__module__ = __name__
 class Objective:
     """Every loss term of the run's config, over a model that may be wrapped (FSDP, DDP).
 
-    Host syncs left on a training step's path (each stalls the GPU queue until it is reached):
-    the step's one read of its sums (`end_step`: `Sums.floats` / `reduce`, one transfer); in
-    distributed runs the global counts' all-reduce is a device tensor (no sync). Per term: token
-    weighting and the contrast pick rows with `nonzero` and size media with `.tolist()`
-    (data-dependent shapes), the contrast groups documents with `torch.unique`; the ssl mask is
-    drawn on the host (`make_ssl_mask`, from the grids); GradNorm's head gradients select each
-    task's tokens by mask. The loop's `float(loss)` per micro-batch is the trainer's.
+    Host syncs (each makes the host wait for the device's queue) on a training step's path. A plain
+    step (task losses, MoE aux, z-loss; reference or chunked head; tests/mmtrain/test_objective.py
+    pins it) has one: `end_step` reads the step's sums in one transfer (`Sums.floats`; distributed:
+    the reduce's). The global counts of a distributed run stay a device tensor. What is left is
+    in the optional terms, where a shape depends on the data:
+      token weighting: `nonzero` (the rows to blank-forward), `take_rows`' masks (their media),
+        `reliance_stats`' mask (the top-decile count `k`), the blank pass's CUDA sync (its timing);
+      contrast: `nonzero`, `any`/`all` (the rows to copy), `mismatch_media`'s `.tolist()`s and mask
+        (the swap is planned on the host), `document_gaps`' `unique`, mask and `bincount` (the
+        number of documents);
+      visual_ssl: `make_ssl_mask` draws on the host from `grid_thw_M3.cpu()`;
+      GradNorm's head gradients: `float(count)` and the masks of each task's tokens.
+    A log step adds the attention counts' read (`end_backward`). Outside: the loop's
+    `float(loss)` per micro-batch and the step's skip decision (mmtrain/loop/trainer.py).
     """
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, balancer: Balancer, *, env: DistEnv,

@@ -121,6 +121,6 @@ class TokenWeighting:
         cfg = self.cfg
         w_BS = reliance_weights(ce_real_BS, ce_blank_BS, labels_BS, task_BS, cfg.strength, cfg.floor)
         for key, value in reliance_stats(ce_real_BS, ce_blank_BS, w_BS, labels_BS, task_BS).items():
-            setattr(sums, key, getattr(sums, key) + float(value))
+            setattr(sums, key, getattr(sums, key) + value.double().to(ce_real_BS.device))  # read at step end
         return reweighted(losses, w_BS, labels_BS, task_BS)
 

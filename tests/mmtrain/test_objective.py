@@ -225,8 +225,10 @@ def _record_syncs(monkeypatch) -> list[str]:
 
     def masked(self, index):
         flat = index if isinstance(index, tuple) else (index,)
-        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in flat):
-            spy("bool index", lambda: None)()
+        frame = sys._getframe(1)
+        if (any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in flat)
+                and frame.f_code.co_filename.startswith(OBJECTIVES)):
+            seen.append(f"bool index at {Path(frame.f_code.co_filename).name}:{frame.f_lineno}")
         return getitem(self, index)
 
     monkeypatch.setattr(torch.Tensor, "__getitem__", masked)
