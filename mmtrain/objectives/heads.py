@@ -11,6 +11,9 @@ chunked one equals it within fp32 rounding (tests/mmtrain/test_chunked_ce.py).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 
 from mmtrain.data_pipelines.batch import IGNORE_INDEX
@@ -37,14 +40,15 @@ class ChunkedHead:
     (slicing the hidden states instead would cost a (B, S, D) zeros tensor per slice in backward)."""
 
     def __init__(self, hidden_BSD: torch.Tensor, weight_VD: torch.Tensor, labels_BS: torch.Tensor,
-                 chunk: int):
+                 chunk: int, autocast: Callable = contextlib.nullcontext):
         self.hidden_BSD, self.weight_VD, self.labels_BS = hidden_BSD, weight_VD, labels_BS
-        self.chunk = chunk
+        self.chunk, self.autocast = chunk, autocast  # the forward's: the head's matmul in its dtype
         self._out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _all(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._out is None:
-            self._out = head_ce(self.hidden_BSD, self.weight_VD, self.labels_BS, self.chunk)
+            with self.autocast():
+                self._out = head_ce(self.hidden_BSD, self.weight_VD, self.labels_BS, self.chunk)
         return self._out
 
     def ce(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -180,8 +180,8 @@ class Objective:
                                 **mb.kwargs, **cp)
         self._add_attn(mb.out.attn_stats)
         labels_BS = batch.labels_BS if mb.labels_BS is None else mb.labels_BS
-        mb.head = (ChunkedHead(mb.out.hidden_BSD, head_weight(self.raw_model), labels_BS, chunk) if chunk
-                   else FullHead(mb.out.logits_BSV, labels_BS))
+        mb.head = (ChunkedHead(mb.out.hidden_BSD, head_weight(self.raw_model), labels_BS, chunk,
+                               self.autocast) if chunk else FullHead(mb.out.logits_BSV, labels_BS))
         mb.losses, local_n = self._task_losses(mb)
         trained = mb.losses
         for term in self.terms:

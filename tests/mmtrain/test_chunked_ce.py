@@ -12,6 +12,7 @@ import torch
 
 from mmtrain.data_pipelines.batch import IGNORE_INDEX
 from mmtrain.objectives.chunked_ce import full_logits_ce, head_ce
+from mmtrain.objectives.heads import ChunkedHead, FullHead
 from tools.bench.bench_loss_memory import peak_bytes
 
 
@@ -55,6 +56,19 @@ def test_under_bf16_autocast_the_matmul_runs_in_bf16_as_the_reference():
     assert not torch.equal(got[1], fp32[1])
     for g, r in zip(got[3:], want[3:]):
         torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
+
+
+def test_the_chunked_head_forms_its_logits_in_the_autocast_it_is_given():
+    """The objective calls the head after the forward, outside its autocast: ChunkedHead takes it
+    along, so that fp32 hidden states (the final norm's) meet the head in bf16 as in the forward."""
+    h, w, labels_BS, _, _ = _inputs(3, D=64)
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    with bf16():
+        ref_BS = FullHead(torch.nn.functional.linear(h, w), labels_BS).ce(0, 2)[0]
+    got_BS = ChunkedHead(h, w, labels_BS, 16, bf16).ce(0, 2)[0]
+    fp32_BS = ChunkedHead(h, w, labels_BS, 16).ce(0, 2)[0]
+    torch.testing.assert_close(got_BS, ref_BS, rtol=0, atol=1e-5)
+    assert (fp32_BS - ref_BS).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("S", [512, 4096])

@@ -249,3 +249,20 @@ def test_a_plain_micro_batch_waits_on_the_device_nowhere_in_the_objective(setup,
         assert [s.split(" at ")[0] for s in seen] == ["tolist"]
     for moe in model.moe_layers().values():
         moe.load_E.zero_()
+
+
+def test_the_chunked_head_runs_in_the_forwards_autocast_dtype(setup):
+    """Under bf16 autocast the reference's logits are bf16 products; the chunked head, called after
+    the forward, must form them in the same dtype (not in fp32, which moves every token's CE)."""
+    make, model, batch = setup
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    sums = {}
+    for name, chunk in [("ref", 0), ("chunked", 37)]:
+        obj = objective(make, model, [f"loss.ce_chunk={chunk}"])
+        obj.autocast = bf16
+        torch.manual_seed(0)
+        sums[name] = one_step(obj, batch)[1].task_ce
+        for moe in model.moe_layers().values():
+            moe.load_E.zero_()
+    for t in TASK_NAMES:  # (fp32 logits would move the sums by about 5e-6 here)
+        assert sums["chunked"][t] == pytest.approx(sums["ref"][t], rel=2e-6, abs=0)
