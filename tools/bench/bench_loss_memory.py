@@ -29,6 +29,8 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=1536)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--chunk", type=int, nargs="+", default=[2048, 4096])
+    p.add_argument("--autocast", choices=["none", "bfloat16"], default="none",
+                   help="bfloat16: the head's matmuls under CPU autocast, as train.dtype on a GPU")
     return p.parse_args(argv)
 
 
@@ -45,8 +47,9 @@ def _loss(hidden_BSD, weight_VD, labels_BS, task_BS, chunk: int) -> torch.Tensor
     return total + 1e-4 * z_loss_of(head.lse(0, labels_BS.shape[0]), labels_BS)
 
 
-def peak_bytes(B: int, S: int, D: int, V: int, chunk: int) -> int:
-    """Peak bytes above the inputs of the loss's forward + backward (`chunk` 0: the reference)."""
+def peak_bytes(B: int, S: int, D: int, V: int, chunk: int, autocast: bool = False) -> int:
+    """Peak bytes above the inputs of the loss's forward + backward (`chunk` 0: the reference);
+    `autocast`: the head under bf16 autocast (fp32 leaves, as the model's parameters)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -57,8 +60,10 @@ def peak_bytes(B: int, S: int, D: int, V: int, chunk: int) -> int:
         inputs = [hidden_BSD, weight_VD, labels_BS, task_BS]
         tracker = MemTracker()
         tracker.track_external(*inputs)
+        with tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = _loss(hidden_BSD, weight_VD, labels_BS, task_BS, chunk)
         with tracker:
-            _loss(hidden_BSD, weight_VD, labels_BS, task_BS, chunk).backward()
+            loss.backward()
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     return peak - sum(t.numel() * t.element_size() for t in inputs)
 
@@ -66,9 +71,10 @@ def peak_bytes(B: int, S: int, D: int, V: int, chunk: int) -> int:
 def main(argv=None) -> None:
     a = parse_args(argv)
     full = a.rows * a.seq * a.vocab * 4
-    print(f"B={a.rows} S={a.seq} D={a.dim} V={a.vocab}: one fp32 (B, S, V) = {full / GiB:.2f} GiB")
+    print(f"B={a.rows} S={a.seq} D={a.dim} V={a.vocab} autocast {a.autocast}: "
+          f"one fp32 (B, S, V) = {full / GiB:.2f} GiB")
     for chunk in [0, *a.chunk]:
-        peak = peak_bytes(a.rows, a.seq, a.dim, a.vocab, chunk)
+        peak = peak_bytes(a.rows, a.seq, a.dim, a.vocab, chunk, a.autocast == "bfloat16")
         name = "reference (full logits)" if not chunk else f"chunked, {chunk} tokens"
         print(f"{name:>26}: peak {peak / GiB:6.2f} GiB = {peak / full:.3f} x (B, S, V)")
 
