@@ -71,13 +71,15 @@ def test_the_chunked_head_forms_its_logits_in_the_autocast_it_is_given():
     assert (fp32_BS - ref_BS).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("S", [512, 4096])
-def test_peak_memory_scales_with_the_chunk_not_with_the_sequence(S):
+def test_peak_memory_scales_with_the_chunk_not_with_the_sequence(S, autocast):
     """MemTracker over fake tensors (tools/bench/bench_loss_memory.py): the chunked loss's forward +
-    backward peak, above its inputs, is one chunk's logits and a half, the two gradients and some
-    per-token vectors; the reference's is several full (T, V) copies."""
+    backward peak, above its inputs, is one chunk's logits and a half (two under bf16, with its
+    bf16 copies of the head), the two gradients and some per-token vectors; the reference's is
+    several full (T, V) copies."""
     D, V, chunk = 32, 1024, 64
     T = S
-    bound = 1.5 * chunk * V * 4 + 4 * (T * D + V * D) + 64 * T
-    assert peak_bytes(1, S, D, V, chunk) <= bound
-    assert peak_bytes(1, S, D, V, 0) >= 3 * T * V * 4
+    bound = (2 if autocast else 1.5) * chunk * V * 4 + 4 * T * D + (8 if autocast else 4) * V * D + 64 * T
+    assert peak_bytes(1, S, D, V, chunk, autocast) <= bound
+    assert peak_bytes(1, S, D, V, 0, autocast) >= 3 * T * V * 4
