@@ -28,7 +28,7 @@ from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import PackedBatch
 from mmtrain.objectives.mismatch import document_keys, mismatch_media
 from mmtrain.objectives.sums import Sums
-from mmtrain.objectives.terms import cat_rows, media_tokens, take_rows, token_losses
+from mmtrain.objectives.terms import cat_rows, media_tokens, take_rows
 
 
 @dataclass
@@ -96,15 +96,16 @@ def document_gaps(ce_real_RS: torch.Tensor, ce_swap_RS: torch.Tensor, rows: Cont
     return torch.zeros_like(n_D).index_add_(0, doc_T, diff_T) / n_D
 
 
-def contrast_term(ce_own_BS: torch.Tensor, logits_swap_RSV: torch.Tensor, labels_swap_RS: torch.Tensor,
-                  rows: ContrastRows, margin: float, sums: ContrastSums) -> torch.Tensor:
-    """The mean hinge over the contrasted documents (with its graph); the step's figures -> sums.
-    `ce_own_BS`: the batch's own rows' per-token CE (with its graph)."""
-    gap_D = document_gaps(ce_own_BS[rows.own_R], token_losses(logits_swap_RSV, labels_swap_RS), rows)
+def contrast_term(ce_own_BS: torch.Tensor, ce_swap_RS: torch.Tensor, rows: ContrastRows, margin: float,
+                  sums: ContrastSums) -> torch.Tensor:
+    """The mean hinge over the contrasted documents (with its graph); the step's figures -> sums
+    (tensors: read at the step's end). `ce_own_BS`: the batch's own rows' per-token CE, `ce_swap_RS`
+    the copies' (both with their graphs; the loss's head gives them, full or chunked)."""
+    gap_D = document_gaps(ce_own_BS[rows.own_R], ce_swap_RS, rows)
     hinge_D = (margin - gap_D).clamp(min=0)
     term = hinge_D.mean()
-    sums.term += float(term.detach())
-    sums.gap += float(gap_D.detach().sum())
-    sums.docs += gap_D.shape[0]
-    sums.active += float((hinge_D > 0).sum())
+    sums.term += term.detach().double()
+    sums.gap += gap_D.detach().sum().double()
+    sums.docs += gap_D.shape[0]  # a host number already: torch.unique sized gap_D
+    sums.active += (hinge_D > 0).sum().double()
     return term

@@ -15,10 +15,11 @@ from mmtrain.data_pipelines.batch import PackedBatch
 
 
 def document_keys(doc_ids_BS: torch.Tensor) -> torch.Tensor:
-    """(B, S) int64: each token's document as one number, unique across rows (row * span + doc id;
-    padding, doc id -1, gets a key no document of any row has)."""
+    """(B, S) int64: each token's document as one number, unique across rows (row * (S + 1) + doc
+    id: doc ids index the row's documents, so < S; padding, doc id -1, gets a key no document of any
+    row has). Keys keep the (row, doc id) order. No host sync (the span is S + 1, not the max id)."""
     B, S = doc_ids_BS.shape
-    span = int(doc_ids_BS.max().clamp(min=0)) + 2
+    span = S + 1
     row_BS = torch.arange(B, device=doc_ids_BS.device)[:, None].expand(B, S)
     return row_BS * span + doc_ids_BS.long()
 

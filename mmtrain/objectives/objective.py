@@ -14,13 +14,18 @@ mismatch contrast's hinge / world (contrast.py: swapped-media copies of the medi
 the forward) + z_loss * mean lse^2 (scaled to this rank's share of trained tokens): the ranks' shares
 add up to the loss of one process holding the whole global batch. `end_step` hands the balancer the
 step signals it declares (task_loss, head_grad_norm: GradNorm's closed-form LM-head gradients) unless
-the step was skipped. Legend: B rows, S sequence, V vocabulary, D width, N patches, L layers, C
-attention counts (models/attention/counts.py).
+the step was skipped. Every term but the task losses is an entry of the registry in loss_terms/
+(its hooks run in the registry's order; the losses are added in it). The per-token CE comes from
+the model's full logits (`loss.ce_chunk: 0`, the reference) or from the LM head applied chunk by
+chunk to the final hidden states (`heads.py`, `chunked_ce.py`): no (B, S, V) tensor. Legend: B rows,
+S sequence, V vocabulary, D width, N patches, L layers, C attention counts
+(models/attention/counts.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,74 +37,42 @@ from mmtrain.callbacks import StepStats
 from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, TASK_NAMES, TEXT, PackedBatch
 from mmtrain.models.attention.counts import ATTN_COUNTS
-from mmtrain.models.vision import make_ssl_mask
-from mmtrain.models.visual_next import chunk_pairs
 from mmtrain.objectives.balance import BalanceConfig, Balancer
-from mmtrain.objectives.contrast import ContrastConfig, ContrastSums, contrast_term, extend
+from mmtrain.objectives.heads import ChunkedHead, FullHead, head_weight
+from mmtrain.objectives.loss_terms import TERMS, MicroBatch, Reported
+from mmtrain.objectives.loss_terms.visual_next import VisualNextConfig
+from mmtrain.objectives.loss_terms.visual_ssl import VisualSSLConfig
 from mmtrain.objectives.sums import Sums
-from mmtrain.objectives.terms import (
-    TaskLosses,
-    dummy_batch,
-    head_grads,
-    task_losses,
-    visual_next_loss,
-    weighted_total,
-    z_loss,
-)
-from mmtrain.objectives.token_weighting import TokenWeighting, TokenWeightingConfig, TokenWeightingSums
+from mmtrain.objectives.terms import TaskLosses, dummy_batch, head_grads, task_sums, weighted_total
 from mmtrain.parallel.context_parallel import local_targets
 from mmtrain.parallel.distributed import DistEnv, all_reduce
 
 if TYPE_CHECKING:
     from mmtrain.run_config import RunConfig
 
-
-@dataclass
-class VisualSSLConfig:
-    """Masked-patch reconstruction in the vision encoder (needs model.vision.ssl_head: true): a second
-    encoder pass over `media_share` of each batch's media with `mask_ratio` of their patches hidden."""
-
-    weight: float = 0.0  # 0: off
-    mask_ratio: float = 0.5
-    media_share: float = 0.25
-
-    def __post_init__(self):
-        check(self, "weight", ge=0)
-        check(self, "mask_ratio", gt=0, lt=1)
-        check(self, "media_share", gt=0, le=1)
+__all__ = ["LossConfig", "Objective", "StepSums", "VisualNextConfig", "VisualSSLConfig"]
 
 
-@dataclass
-class VisualNextConfig:
-    """Next visual token prediction on the decoder's visual positions (needs model.visual_head: true;
-    models/visual_next.py): each visual token regresses the pixels of the next merged token of its
-    medium from the decoder's final hidden state, so every medium gives targets that only its pixels
-    can meet, whatever its caption says."""
-
-    weight: float = 0.0  # 0: off
-    normalize: bool = True  # each target token to mean 0 / variance 1 over its values (as MAE)
-
-    def __post_init__(self):
-        check(self, "weight", ge=0)
+def _loss_post_init(self) -> None:
+    check(self, "text", "image_text", "video_text", "z_loss", "ce_chunk", ge=0)
 
 
-@dataclass
-class LossConfig:
-    """Per-modality loss weights (the base weights every balancer starts from or multiplies), the
-    balancer that adapts them, and the extra terms."""
-
-    text: float = 1.0
-    image_text: float = 1.0
-    video_text: float = 1.0
-    z_loss: float = 1e-4  # weight of mean(logsumexp(logits)^2) over trained tokens
-    balancer: BalanceConfig = field(default_factory=BalanceConfig)
-    visual_ssl: VisualSSLConfig = field(default_factory=VisualSSLConfig)
-    contrast: ContrastConfig = field(default_factory=ContrastConfig)
-    visual_next: VisualNextConfig = field(default_factory=VisualNextConfig)
-    token_weighting: TokenWeightingConfig = field(default_factory=TokenWeightingConfig)
-
-    def __post_init__(self):
-        check(self, "text", "image_text", "video_text", "z_loss", ge=0)
+LossConfig = dataclasses.make_dataclass(
+    "LossConfig",
+    [("text", float, field(default=1.0)), ("image_text", float, field(default=1.0)),
+     ("video_text", float, field(default=1.0)),
+     ("z_loss", float, field(default=1e-4)),  # weight of mean(logsumexp(logits)^2) over trained tokens
+     # tokens a chunk of the LM head + cross-entropy (chunked_ce.py: no (B, S, V) logits); 0: the
+     # reference, full logits from the model's forward
+     ("ce_chunk", int, field(default=0)),
+     ("balancer", BalanceConfig, field(default_factory=BalanceConfig)),
+     *[(name, cls.Config, field(default_factory=cls.Config)) for name, cls in TERMS.items() if cls.Config]],
+    namespace={"__post_init__": _loss_post_init,
+               "__doc__": "Per-modality loss weights (the base weights every balancer starts from or "
+                          "multiplies), the balancer that adapts them, the head's chunking, and one "
+                          "section per registered loss term (loss_terms/)."},
+)
+LossConfig.__module__ = __name__
 
 
 def _per_task() -> dict[str, float]:
@@ -107,28 +80,55 @@ def _per_task() -> dict[str, float]:
 
 
 @dataclass
-class StepSums(Sums):
-    """One step's sums over its micro-batches (this rank; `reduce` sums them over ranks)."""
-
+class _StepSumsBase(Sums):
     loss: float = 0.0  # the loop's: this rank's share of the loss, mean over micro-batches
     task_ce: dict[str, float] = field(default_factory=_per_task)  # CE summed over trained tokens
     task_tokens: dict[str, float] = field(default_factory=_per_task)  # trained tokens
     task_correct: dict[str, float] = field(default_factory=_per_task)  # argmax = label
-    visual_ssl: float = 0.0  # masked-patch loss, summed over micro-batches
-    visual_next: float = 0.0  # next-visual-token pixel loss, summed over micro-batches
+
+
+@dataclass
+class _StepSumsTail(Sums):
     tokens: float = 0.0  # real tokens
     visual: float = 0.0  # real visual tokens
     media: float = 0.0
     patches: float = 0.0
-    token_weighting: TokenWeightingSums = field(default_factory=TokenWeightingSums)
-    contrast: ContrastSums = field(default_factory=ContrastSums)
     wait_s: float = 0.0  # the loop's: waiting for the data
     nonfinite: float = 0.0  # the loop's: a non-finite loss or gradient norm
     time_up: float = 0.0  # the loop's: train.time_limit_min reached
 
 
+StepSums = dataclasses.make_dataclass(
+    "StepSums",
+    [*[(f.name, f.type, f) for f in dataclasses.fields(_StepSumsBase)],
+     *[(name, object, field(default_factory=cls.Sums)) for name, cls in TERMS.items() if cls.Sums],
+     *[(f.name, f.type, f) for f in dataclasses.fields(_StepSumsTail)]],
+    bases=(Sums,),
+    namespace={"__doc__": "One step's sums over its micro-batches (this rank; `reduce` sums them over "
+                          "ranks): the task sums, one field per registered term with `Sums`, counts. "
+                          "The objective adds 0-dim float64 tensors (no host sync); `floats()` reads them."},
+)
+StepSums.__module__ = __name__
+
+
 class Objective:
-    """Every loss term of the run's config, over a model that may be wrapped (FSDP, DDP)."""
+    """Every loss term of the run's config, over a model that may be wrapped (FSDP, DDP).
+
+    Host syncs (each makes the host wait for the device's queue) on a training step's path. A plain
+    step (task losses, MoE aux, z-loss; reference or chunked head; tests/mmtrain/test_objective.py
+    pins it) has one: `end_step` reads the step's sums in one transfer (`Sums.floats`; distributed:
+    the reduce's). The global counts of a distributed run stay a device tensor. What is left is
+    in the optional terms, where a shape depends on the data:
+      token weighting: `nonzero` (the rows to blank-forward), `take_rows`' masks (their media),
+        `reliance_stats`' mask (the top-decile count `k`), the blank pass's CUDA sync (its timing);
+      contrast: `nonzero`, `any`/`all` (the rows to copy), `mismatch_media`'s `.tolist()`s and mask
+        (the swap is planned on the host), `document_gaps`' `unique`, mask and `bincount` (the
+        number of documents);
+      visual_ssl: `make_ssl_mask` draws on the host from `grid_thw_M3.cpu()`;
+      GradNorm's head gradients: `float(count)` and the masks of each task's tokens.
+    A log step adds the attention counts' read (`end_backward`). Outside: the loop's
+    `float(loss)` per micro-batch and the step's skip decision (mmtrain/loop/trainer.py).
+    """
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, balancer: Balancer, *, env: DistEnv,
                  device: torch.device, raw_model: torch.nn.Module | None = None, dp_rank: int = 0,
@@ -136,14 +136,17 @@ class Objective:
         self.cfg, self.model, self.raw_model = cfg, model, raw_model or model
         self.balancer, self.env, self.device, self.autocast = balancer, env, device, autocast
         self.dp_rank, self.cp_rank, self.context = dp_rank, cp_rank, context  # context: a CP shard
-        tw = cfg.loss.token_weighting
-        self.token_weighting = TokenWeighting(tw, model, device, autocast, self.pad_batch,
-                                              cfg.dist.strategy == "fsdp") if tw.strength else None
+        self.terms = [cls(self) for cls in TERMS.values() if cls.enabled(cfg.loss)]
         self.step = 0  # optimizer steps done before the current one
         self.weights: dict[str, float] = {}
         self._head_g: dict[str, torch.Tensor] = {}  # GradNorm: LM-head gradient (V, D) per task
         self._attn: dict[int, torch.Tensor] | None = None  # per layer (C,) attention counts, log steps
         self.attn_stats: dict[int, dict] = {}  # per layer, latest log step: kept_frac, keys_per_token
+
+    @property
+    def token_weighting(self):
+        """The token weighting's blank pass (None when off)."""
+        return next((t.tw for t in self.terms if t.name == "token_weighting"), None)
 
     def pad_batch(self) -> PackedBatch:
         """A batch that adds nothing to any sum (a rank without media joins the others' forward)."""
@@ -167,108 +170,80 @@ class Objective:
         world, inputs, cp = self.env.world_size, batch.model_inputs(), {}
         if self.context is not None:
             batch, cp = local_targets(batch, self.context), {"context": self.context}
-        counts = self._global_counts(batch) if world > 1 else None
-        ssl_cfg, contrast = self.cfg.loss.visual_ssl, self.cfg.loss.contrast
-        ssl_mask = self._ssl_mask(batch) if ssl_cfg.weight else None
-        next_cfg = self.cfg.loss.visual_next
-        # token weighting: the blank forward first, so its activations are gone before the graph's
-        tw = self.token_weighting
-        ce_blank_BS = tw.blank_ce(batch, counts, sums.token_weighting) if tw else None
-        extra = None
-        if contrast.weight:  # the swapped-media copies ride in the same forward as extra rows
-            extended, extra = extend(batch)
-            if extra is not None:
-                inputs = extended.model_inputs()
-                if ssl_mask is not None:  # the copies' patches are never masked
-                    ssl_mask = torch.cat([ssl_mask, ssl_mask.new_zeros(extended.patches_NP.shape[0]
-                                                                       - ssl_mask.shape[0])])
+        counts_T = self._global_counts(batch) if world > 1 else None
+        mb = MicroBatch(batch, inputs, sums, counts_T, world)
+        for term in self.terms:
+            term.before_forward(mb)
+        chunk = self.cfg.loss.ce_chunk
         with self.autocast():
-            out = self.model(**inputs, ssl_mask_N=ssl_mask, attn_stats=self._attn is not None,
-                             visual_next=next_cfg.weight > 0, **cp)
-        for layer, st in out.attn_stats.items():
-            row_C = torch.stack([st[k].double() for k in ATTN_COUNTS])
-            self._attn[layer] = self._attn.get(layer, 0) + row_C
-        B = batch.labels_BS.shape[0]
-        logits_BSV, hidden_BSD = out.logits_BSV[:B], out.hidden_BSD[:B]
-        losses = task_losses(logits_BSV, batch.labels_BS, batch.task_BS)
-        local_n = [int(losses.count[t]) for t in TASK_NAMES]
-        if counts is not None:  # the same sum as one process would form over the global micro-batch
-            losses.count = {t: torch.tensor(int(counts[i]), device=self.device)
-                            for i, t in enumerate(TASK_NAMES)}
-        trained = losses if tw is None or ce_blank_BS is None else (
-            tw.reweight(losses, ce_blank_BS, batch, sums.token_weighting))
+            mb.out = self.model(**mb.inputs, attn_stats=self._attn is not None, compute_logits=not chunk,
+                                **mb.kwargs, **cp)
+        self._add_attn(mb.out.attn_stats)
+        labels_BS = batch.labels_BS if mb.labels_BS is None else mb.labels_BS
+        mb.head = (ChunkedHead(mb.out.hidden_BSD, head_weight(self.raw_model), labels_BS, chunk,
+                               self.autocast) if chunk else FullHead(mb.out.logits_BSV, labels_BS))
+        mb.losses, local_n = self._task_losses(mb)
+        trained = mb.losses
+        for term in self.terms:
+            trained = term.reweight(mb, trained)
         loss = weighted_total(trained, self.weights)
         if self.needs_head_grads:
-            self._add_head_grads(hidden_BSD, logits_BSV, batch, losses.count)
-        for aux in out.aux_losses.values():  # MoE balance and router z-loss: means over rows/tokens
-            loss = loss + (aux / world if world > 1 else aux)
-        if out.visual_ssl is not None:  # a mean per rank: gradients average it over ranks
-            loss = loss + ssl_cfg.weight * out.visual_ssl / world
-            sums.visual_ssl += float(out.visual_ssl.detach())
-        if out.visual_next_KT is not None:  # the same: a mean over this rank's predicted tokens
-            # (the forward's media: with the contrast, the copies' too)
-            vn = self._visual_next(out.visual_next_KT, inputs)
-            loss = loss + next_cfg.weight * vn / world
-            sums.visual_next += float(vn.detach())
-        if extra is not None:  # a mean per rank, as visual_ssl
-            term = contrast_term(losses.ce_BS, out.logits_BSV[B:], extended.labels_BS[B:], extra,
-                                 contrast.margin, sums.contrast)
-            loss = loss + contrast.weight * term / world
-        if self.cfg.loss.z_loss:
-            z = z_loss(logits_BSV, batch.labels_BS)
-            if counts is not None:
-                z = z * (batch.loss_mask_BS.sum() / max(counts[-1], 1.0))
-            loss = loss + self.cfg.loss.z_loss * z
-        self._count(batch, losses, local_n, sums)
+            self._add_head_grads(mb)
+        for term in self.terms:
+            add = term.loss(mb)
+            for part in add if isinstance(add, list) else [] if add is None else [add]:
+                loss = loss + part
+        self._count(batch, mb.losses, local_n, sums)
         return loss
 
-    def _global_counts(self, batch: PackedBatch) -> list[float]:
-        """Trained tokens per task (and in all) on every rank, known before the forward."""
+    def _task_losses(self, mb: MicroBatch) -> tuple[TaskLosses, dict[str, torch.Tensor]]:
+        """-> the batch's own rows' task sums, and their local trained-token counts. In a distributed
+        run the sums' counts (the means' divisors) are the global ones: the same sums one process
+        would form over the global micro-batch."""
+        labels_BS = mb.batch.labels_BS
+        ce_BS, hit_BS = mb.head.ce(0, mb.rows)
+        losses = task_sums(ce_BS, hit_BS, labels_BS, mb.batch.task_BS)
+        local_n = losses.count
+        if mb.counts_T is not None:
+            losses = dataclasses.replace(losses, count=dict(zip(TASK_NAMES, mb.counts_T.long())))
+        return losses, local_n
+
+    def _add_attn(self, attn_stats: dict) -> None:
+        for layer, st in attn_stats.items():
+            row_C = torch.stack([st[k].double() for k in ATTN_COUNTS])
+            self._attn[layer] = self._attn.get(layer, 0) + row_C
+
+    def _global_counts(self, batch: PackedBatch) -> torch.Tensor:
+        """(tasks + 1,) float64: trained tokens per task (and in all) on every rank, known before the
+        forward. A device tensor: no host sync (token weighting reads it only without media rows)."""
         counts = torch.stack([((batch.labels_BS != IGNORE_INDEX) & (batch.task_BS == t)).sum()
                               for t in range(len(TASK_NAMES))]).to(torch.float64)
-        return all_reduce(torch.cat([counts, counts.sum()[None]]), self.env).tolist()
+        return all_reduce(torch.cat([counts, counts.sum()[None]]), self.env)
 
-    def _count(self, batch: PackedBatch, losses: TaskLosses, local_n: list[int], sums: StepSums) -> None:
-        for t, n in zip(TASK_NAMES, local_n):
-            sums.task_ce[t] += float(losses.loss_sum[t].detach())
-            sums.task_tokens[t] += n
-            sums.task_correct[t] += float(losses.correct[t])
+    def _count(self, batch: PackedBatch, losses: TaskLosses, local_n: dict[str, torch.Tensor],
+               sums: StepSums) -> None:
+        """This micro-batch into the step's sums: 0-dim float64 device tensors, read at the step's end."""
+        for t in TASK_NAMES:
+            sums.task_ce[t] += losses.loss_sum[t].detach().double()
+            sums.task_tokens[t] += local_n[t].double()
+            sums.task_correct[t] += losses.correct[t].double()
         real_BS = batch.task_BS >= 0
-        sums.tokens += batch.num_tokens()
-        sums.visual += int((real_BS & (batch.modality_BS != TEXT)).sum())
+        sums.tokens += real_BS.sum().double()
+        sums.visual += (real_BS & (batch.modality_BS != TEXT)).sum().double()
         if self.cp_rank == 0:  # the media are whole on every rank of a cp group
             sums.media += batch.grid_thw_M3.shape[0]
             sums.patches += batch.patches_NP.shape[0]
 
-    def _visual_next(self, pred_KT: torch.Tensor, inputs: dict) -> torch.Tensor:
-        """The visual next-token term of this rank. Context parallelism: its chunk's squared errors
-        over the group's count, times the group size -- so that the group's terms over `world` add
-        up to the rows' mean over data-parallel ranks, as a mean per rank does without it."""
-        merge, c = self.cfg.model.vision.merge, self.context
-        keep_K = None if c is None else chunk_pairs(inputs["modality_BS"], inputs["grid_thw_M3"], merge,
-                                                    c.lo, c.hi)[2]
-        vn = visual_next_loss(pred_KT, inputs["patches_NP"], inputs["grid_thw_M3"], merge,
-                              self.cfg.loss.visual_next.normalize, keep_K)
-        return vn if c is None else vn * c.comm.size
-
-    def _ssl_mask(self, batch: PackedBatch) -> torch.Tensor:
-        """Which patches the masked-patch term hides: a pure function of (seed, step, data-parallel
-        rank, batch), so the ranks of a cp group, which encode the same media, hide the same ones."""
-        cfg = self.cfg.loss.visual_ssl
-        gen = torch.Generator().manual_seed(hash((self.cfg.train.seed, self.step, self.dp_rank,
-                                                  batch.patches_NP.shape[0])) % 2**63)
-        mask_N = make_ssl_mask(batch.grid_thw_M3.cpu(), cfg.mask_ratio, cfg.media_share, gen)
-        return mask_N.to(self.device)
-
-    def _add_head_grads(self, hidden_BSD: torch.Tensor, logits_BSV: torch.Tensor, batch: PackedBatch,
-                        counts: dict[str, torch.Tensor]) -> None:
+    def _add_head_grads(self, mb: MicroBatch) -> None:
         """GradNorm: add this micro-batch's per-task LM-head gradients (of the unweighted task means)."""
         head = self.raw_model.decoder.lm_head
         weight_VD = (self.raw_model.decoder.embed if head is None else head).weight
         if hasattr(weight_VD, "full_tensor"):  # FSDP2 DTensor shard: gather it (every rank does)
             weight_VD = weight_VD.full_tensor()
-        grads = head_grads(hidden_BSD.detach(), logits_BSV.detach(), batch.labels_BS, batch.task_BS,
-                           weight_VD.detach(), counts)
+        B, batch = mb.rows, mb.batch
+        logits_BSV = mb.out.logits_BSV[:B].detach() if mb.out.logits_BSV is not None else None
+        grads = head_grads(mb.out.hidden_BSD[:B].detach(), logits_BSV, batch.labels_BS, batch.task_BS,
+                           weight_VD.detach(), mb.losses.count, self.cfg.loss.ce_chunk)
         accum = self.cfg.train.grad_accum
         for t, g_VD in grads.items():
             self._head_g[t] = self._head_g.get(t, 0) + g_VD / accum
@@ -286,26 +261,22 @@ class Objective:
 
     def end_step(self, total: StepSums, *, grad_norm: float, skipped: bool, started: float) -> StepStats:
         """The step's stats from the all-reduced sums; the balancer observes the step unless skipped."""
+        total = total.floats()  # the step's one read of its sums (a no-op after a distributed reduce)
         world, n = self.env.world_size, total.task_tokens
         task_loss = {t: total.task_ce[t] / n[t] for t in TASK_NAMES if n[t]}
         task_acc = {t: total.task_correct[t] / n[t] for t in TASK_NAMES if n[t]}
         if not skipped:
             self._observe(task_loss)
-        accum = self.cfg.train.grad_accum
-        ssl = total.visual_ssl / (accum * world) if self.cfg.loss.visual_ssl.weight else None
-        nxt = total.visual_next / (accum * world) if self.cfg.loss.visual_next.weight else None
-        tw = total.token_weighting.figures(world)
-        terms = {"visual_ssl": ssl, "visual_next": nxt}
-        if self.cfg.loss.contrast.weight:  # the step's mean hinge (before the weight)
-            terms["contrast"] = total.contrast.term / (accum * world)
-        figures = {"token_weighting": tw, "contrast_stats": total.contrast.figures()}
+        rep = Reported()
+        for cls in TERMS.values():
+            cls.report(self.cfg.loss, total, self.cfg.train.grad_accum, world, rep)
         return StepStats(
             loss=total.loss, task_loss=task_loss, task_acc=task_acc, grad_norm=grad_norm,
             tokens=int(total.tokens), data_wait_s=total.wait_s / world,
             step_s=time.perf_counter() - started, skipped=skipped, visual_tokens=int(total.visual),
             media=int(total.media), patches=int(total.patches), time_up=total.time_up > 0,
-            task_tokens={t: int(n[t]) for t in TASK_NAMES}, terms=terms,
-            figures={k: v for k, v in figures.items() if v})
+            task_tokens={t: int(n[t]) for t in TASK_NAMES}, terms=rep.terms,
+            figures={k: v for k, v in rep.figures.items() if v})
 
     def _observe(self, task_loss: dict[str, float]) -> None:
         provide = {"task_loss": lambda: task_loss, "head_grad_norm": lambda: self._head_grad_norms(task_loss)}

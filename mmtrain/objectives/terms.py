@@ -61,10 +61,17 @@ def token_losses(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Ten
 
 
 def task_losses(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, task_BS: torch.Tensor) -> TaskLosses:
-    ce_BS = token_losses(logits_BSV, labels_BS)
-    trained_BS = labels_BS != IGNORE_INDEX
+    """From full logits (evaluation, diagnostics, the objective's reference path)."""
     with torch.no_grad():
-        hit_BS = (logits_BSV.argmax(-1) == labels_BS) & trained_BS
+        hit_BS = (logits_BSV.argmax(-1) == labels_BS) & (labels_BS != IGNORE_INDEX)
+    return task_sums(token_losses(logits_BSV, labels_BS), hit_BS, labels_BS, task_BS)
+
+
+def task_sums(ce_BS: torch.Tensor, hit_BS: torch.Tensor, labels_BS: torch.Tensor,
+              task_BS: torch.Tensor) -> TaskLosses:
+    """Per-task sums of per-token CE (with its graph) and hits, and trained-token counts: tensors,
+    no host sync."""
+    trained_BS = labels_BS != IGNORE_INDEX
     sums, correct, counts = {}, {}, {}
     for task_id, name in enumerate(TASK_NAMES):
         sel_BS = trained_BS & (task_BS == task_id)
@@ -192,37 +199,43 @@ def dummy_batch(seq_len: int, patch_dim: int) -> PackedBatch:
 
 def z_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
     """mean(logsumexp(logits)^2) over trained tokens: keeps logit norms from drifting up."""
+    return z_loss_of(torch.logsumexp(logits_BSV.float(), dim=-1), labels_BS)
+
+
+def z_loss_of(lse_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
     trained_BS = labels_BS != IGNORE_INDEX
-    lse_BS = torch.logsumexp(logits_BSV.float(), dim=-1)
     return (lse_BS.square() * trained_BS).sum() / trained_BS.sum().clamp(min=1)
 
 
 def weighted_total(losses: TaskLosses, weights: dict[str, float]) -> torch.Tensor:
-    """Sum over tasks present in the batch of weight * per-token mean."""
+    """Sum over tasks of weight * per-token mean. A task without tokens adds an exact 0.0 (its sum
+    is 0 over a count clamped to 1): no host sync to ask whether it has any."""
     total = torch.zeros((), device=next(iter(losses.loss_sum.values())).device)
     for name in TASK_NAMES:
-        if weights.get(name, 0.0) and int(losses.count[name]) > 0:
+        if weights.get(name, 0.0):
             total = total + weights[name] * losses.mean(name)
     return total
 
 
-def head_grads(hidden_BSD: torch.Tensor, logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
+def head_grads(hidden_BSD: torch.Tensor, logits_BSV: torch.Tensor | None, labels_BS: torch.Tensor,
                task_BS: torch.Tensor, head_VD: torch.Tensor,
-               counts: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+               counts: dict[str, torch.Tensor] | None = None, chunk: int = 0) -> dict[str, torch.Tensor]:
     """Gradient (V, D) of each task's per-token mean cross-entropy wrt the LM head weight, in closed form.
 
     For GradNorm, whose shared layer is the head (logits = hidden @ head.T, no bias): on the task's T
     trained tokens delta_TV = (softmax(logits) - onehot(label)) / N_task and grad_VD = delta^T @ hidden.
     No autograd and no graph: fp32 under no_grad with autocast off. Costs one extra (T x V) softmax and a
-    (V x T) @ (T x D) matmul per step, about the head's weight-gradient matmul again.
+    (V x T) @ (T x D) matmul per step, about the head's weight-gradient matmul again. `logits_BSV`
+    None (the chunked loss): the logits of `chunk` selected tokens at a time, from hidden @ head.T.
 
     `counts` overrides N_task (global token counts in distributed runs, so the all-reduced sum of the
     ranks' grads is the global gradient). Tasks with no tokens (in `counts` when given, else here) are
     left out; with `counts`, a task with none of its tokens on this rank gets zeros, so every rank
-    returns the same keys to all-reduce.
+    returns the same keys to all-reduce. Host syncs: the counts and the boolean selections.
     """
-    if tuple(head_VD.shape) != (logits_BSV.shape[-1], hidden_BSD.shape[-1]):
-        raise ValueError(f"head_VD: expected shape (V, D) = {(logits_BSV.shape[-1], hidden_BSD.shape[-1])} "
+    V = head_VD.shape[0] if logits_BSV is None else logits_BSV.shape[-1]
+    if tuple(head_VD.shape) != (V, hidden_BSD.shape[-1]):
+        raise ValueError(f"head_VD: expected shape (V, D) = {(V, hidden_BSD.shape[-1])} "
                          f"(got {tuple(head_VD.shape)})")
     trained_BS = labels_BS != IGNORE_INDEX
     grads = {}
@@ -232,8 +245,20 @@ def head_grads(hidden_BSD: torch.Tensor, logits_BSV: torch.Tensor, labels_BS: to
             n = float(counts[name]) if counts is not None else float(sel_BS.sum())
             if n <= 0:
                 continue
-            labels_T = labels_BS[sel_BS]
-            delta_TV = logits_BSV[sel_BS].float().softmax(-1)
-            delta_TV[torch.arange(len(labels_T), device=delta_TV.device), labels_T] -= 1.0
-            grads[name] = delta_TV.div_(n).T @ hidden_BSD[sel_BS].float()  # zeros when T = 0
+            if logits_BSV is not None:
+                grads[name] = _head_grad(logits_BSV[sel_BS].float(), labels_BS[sel_BS],
+                                         hidden_BSD[sel_BS].float(), n)  # zeros when T = 0
+                continue
+            h_TD, labels_T = hidden_BSD[sel_BS].float(), labels_BS[sel_BS]
+            g_VD = torch.zeros(head_VD.shape, device=h_TD.device)
+            for lo in range(0, max(len(labels_T), 1), chunk):
+                sl = slice(lo, lo + chunk)
+                g_VD += _head_grad(h_TD[sl] @ head_VD.float().T, labels_T[sl], h_TD[sl], n)
+            grads[name] = g_VD
     return grads
+
+
+def _head_grad(logits_TV: torch.Tensor, labels_T: torch.Tensor, h_TD: torch.Tensor, n: float) -> torch.Tensor:
+    delta_TV = logits_TV.softmax(-1)
+    delta_TV[torch.arange(len(labels_T), device=delta_TV.device), labels_T] -= 1.0
+    return delta_TV.div_(n).T @ h_TD

@@ -23,6 +23,7 @@ import torch
 from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import PackedBatch
 from mmtrain.frozen import frozen_state
+from mmtrain.objectives.chunked_ce import head_ce
 from mmtrain.objectives.sums import Sums
 from mmtrain.objectives.terms import (
     MEDIA_TASK_IDS,
@@ -74,9 +75,11 @@ class TokenWeightingSums(Sums):
 
 class TokenWeighting:
     def __init__(self, cfg: TokenWeightingConfig, model: torch.nn.Module, device: torch.device,
-                 autocast: Callable, pad_batch: Callable[[], PackedBatch], fsdp: bool):
+                 autocast: Callable, pad_batch: Callable[[], PackedBatch], fsdp: bool,
+                 ce_chunk: int = 0, head_weight: Callable[[], torch.Tensor] | None = None):
         self.cfg, self.model, self.device = cfg, model, device
         self.autocast, self.pad_batch, self.fsdp = autocast, pad_batch, fsdp
+        self.ce_chunk, self.head_weight = ce_chunk, head_weight  # chunk > 0: no (R, S, V) logits
 
     def blank_ce(self, batch: PackedBatch, counts: list[float] | None,
                  sums: TokenWeightingSums) -> torch.Tensor | None:
@@ -100,8 +103,11 @@ class TokenWeighting:
         """Per-token CE of a forward that leaves training state alone. Its time -> sums.seconds."""
         t0 = time.perf_counter()
         with torch.no_grad(), frozen_state(self.model, self.device), self.autocast():
-            logits_BSV = self.model(**batch.model_inputs()).logits_BSV
-        ce_BS = token_losses(logits_BSV, batch.labels_BS)
+            out = self.model(**batch.model_inputs(), compute_logits=not self.ce_chunk)
+            if self.ce_chunk:  # the LM head chunk by chunk, as the training loss's
+                ce_BS = head_ce(out.hidden_BSD, self.head_weight(), batch.labels_BS, self.ce_chunk)[0]
+        if not self.ce_chunk:
+            ce_BS = token_losses(out.logits_BSV, batch.labels_BS)
         if self.device.type == "cuda":  # the forward's GPU time, not its launch time
             torch.cuda.synchronize(self.device)
         sums.seconds += time.perf_counter() - t0
@@ -115,6 +121,6 @@ class TokenWeighting:
         cfg = self.cfg
         w_BS = reliance_weights(ce_real_BS, ce_blank_BS, labels_BS, task_BS, cfg.strength, cfg.floor)
         for key, value in reliance_stats(ce_real_BS, ce_blank_BS, w_BS, labels_BS, task_BS).items():
-            setattr(sums, key, getattr(sums, key) + float(value))
+            setattr(sums, key, getattr(sums, key) + value.double().to(ce_real_BS.device))  # read at step end
         return reweighted(losses, w_BS, labels_BS, task_BS)
 

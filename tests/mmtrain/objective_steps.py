@@ -27,4 +27,4 @@ def one_step(trainer: Trainer, batch):
     grads = {n: p.grad.clone() for n, p in trainer.raw_model.named_parameters() if p.grad is not None}
     for moe in trainer.raw_model.moe_layers().values():
         moe.load_E.zero_()
-    return loss.detach(), grads, sums
+    return loss.detach(), grads, sums.floats()  # device tensors until the step reads them

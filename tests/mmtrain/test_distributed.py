@@ -37,7 +37,9 @@ pytestmark = pytest.mark.distributed
      "dist.reshard_after_forward=false"],
     # GradNorm's weights come from all-reduced head gradients: the same as one process's
     ["dist.strategy=fsdp", "train.grad_accum=2", "loss.balancer.kind=gradnorm", "loss.balancer.lr=0.5"],
-], ids=["fsdp", "ddp-accum", "fsdp-accum-ac-zero2", "fsdp-gradnorm"])
+    # the chunked LM head + CE outside the forward: the root's gathered head gets its gradient
+    ["dist.strategy=fsdp", "loss.ce_chunk=64", "loss.z_loss=0.01"],
+], ids=["fsdp", "ddp-accum", "fsdp-accum-ac-zero2", "fsdp-gradnorm", "fsdp-chunked-ce"])
 def test_two_ranks_match_one_process_on_the_same_global_batch(make_raw, tmp_path, variant):
     """FSDP2 (or DDP) over 2 ranks holding half the rows each = one process holding all of them."""
     config = write_config(make_raw, tmp_path / "run", ["data.batch_size=4", *variant])

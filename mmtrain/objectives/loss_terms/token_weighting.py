@@ -1,0 +1,41 @@
+"""Token reliance weighting (`loss.token_weighting`; objectives/token_weighting.py): a blank-media
+forward before the training forward, then the media tasks' losses reweighted (no loss of its own)."""
+
+from __future__ import annotations
+
+from mmtrain.objectives.heads import head_weight
+from mmtrain.objectives.loss_terms.base import MicroBatch, Reported, Term, register
+from mmtrain.objectives.terms import TaskLosses
+from mmtrain.objectives.token_weighting import TokenWeighting, TokenWeightingConfig, TokenWeightingSums
+
+
+@register
+class TokenWeightingTerm(Term):
+    name = "token_weighting"
+    Config = TokenWeightingConfig
+    Sums = TokenWeightingSums
+
+    def __init__(self, obj):
+        super().__init__(obj)
+        self.tw = TokenWeighting(self.cfg, obj.model, obj.device, obj.autocast, obj.pad_batch,
+                                 obj.cfg.dist.strategy == "fsdp", obj.cfg.loss.ce_chunk,
+                                 lambda: head_weight(obj.raw_model))
+        self._blank_BS = None
+
+    @classmethod
+    def enabled(cls, loss_cfg) -> bool:
+        return bool(loss_cfg.token_weighting.strength)
+
+    def before_forward(self, mb: MicroBatch) -> None:
+        # first, so that its activations are gone before the training graph's
+        self._blank_BS = self.tw.blank_ce(mb.batch, mb.counts_T, mb.sums.token_weighting)
+
+    def reweight(self, mb: MicroBatch, losses: TaskLosses) -> TaskLosses:
+        blank_BS, self._blank_BS = self._blank_BS, None
+        return losses if blank_BS is None else self.tw.reweight(losses, blank_BS, mb.batch,
+                                                                mb.sums.token_weighting)
+
+    @classmethod
+    def report(cls, loss_cfg, total, accum: int, world: int, rep: Reported) -> None:
+        rep.figures["token_weighting"] = total.token_weighting.figures(world)
+

@@ -1,0 +1,55 @@
+"""Masked-patch reconstruction in the vision encoder (`loss.visual_ssl`; needs model.vision.ssl_head)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmtrain.checks import check
+from mmtrain.models.vision import make_ssl_mask
+from mmtrain.objectives.loss_terms.base import MicroBatch, Reported, Term, register
+
+
+@dataclass
+class VisualSSLConfig:
+    """Masked-patch reconstruction in the vision encoder (needs model.vision.ssl_head: true): a second
+    encoder pass over `media_share` of each batch's media with `mask_ratio` of their patches hidden."""
+
+    weight: float = 0.0  # 0: off
+    mask_ratio: float = 0.5
+    media_share: float = 0.25
+
+    def __post_init__(self):
+        check(self, "weight", ge=0)
+        check(self, "mask_ratio", gt=0, lt=1)
+        check(self, "media_share", gt=0, le=1)
+
+
+@register
+class VisualSSL(Term):
+    name = "visual_ssl"
+    Config = VisualSSLConfig
+    Sums = float  # the masked-patch loss, summed over micro-batches
+
+    def before_forward(self, mb: MicroBatch) -> None:
+        mb.kwargs["ssl_mask_N"] = self._mask(mb)
+
+    def loss(self, mb: MicroBatch) -> torch.Tensor | None:
+        if mb.out.visual_ssl is None:
+            return None
+        mb.sums.visual_ssl += mb.out.visual_ssl.detach().double()  # a tensor: read at the step's end
+        return self.cfg.weight * mb.out.visual_ssl / mb.world  # a mean per rank: gradients average it
+
+    def _mask(self, mb: MicroBatch) -> torch.Tensor:
+        """Which patches the term hides: a pure function of (seed, step, data-parallel rank, batch),
+        so the ranks of a cp group, which encode the same media, hide the same ones."""
+        obj, batch = self.obj, mb.batch
+        gen = torch.Generator().manual_seed(hash((obj.cfg.train.seed, obj.step, obj.dp_rank,
+                                                  batch.patches_NP.shape[0])) % 2**63)
+        mask_N = make_ssl_mask(batch.grid_thw_M3.cpu(), self.cfg.mask_ratio, self.cfg.media_share, gen)
+        return mask_N.to(obj.device)
+
+    @classmethod
+    def report(cls, loss_cfg, total, accum: int, world: int, rep: Reported) -> None:
+        rep.terms["visual_ssl"] = total.visual_ssl / (accum * world) if loss_cfg.visual_ssl.weight else None
