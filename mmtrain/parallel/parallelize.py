@@ -79,8 +79,8 @@ def build_model(cfg: RunConfig, env: DistEnv, device: torch.device, dims: Parall
 
 
 def _apply_checkpointing_and_compile(model: MultimodalModel, cfg: RunConfig, device: torch.device) -> None:
-    if cfg.dist.activation_checkpointing:
-        prime_probes(device)
+    if cfg.dist.activation_checkpointing or cfg.model.decoder.ffn_chunk > 0:
+        prime_probes(device)  # both checkpoint: the FFN's token chunks (models/chunked.py) too
     for blocks in block_lists(model):
         for block in blocks:
             if cfg.dist.activation_checkpointing:
