@@ -132,10 +132,12 @@ class DecoderOutput:
 
 def scatter_visual(h_BSD: Tensor, modality_BS: Tensor, visual_QD: Tensor) -> Tensor:
     """Visual tokens, in order, into the placeholder positions (modality != text), row-major."""
-    b_Q, s_Q = torch.nonzero(modality_BS != 0, as_tuple=True)  # host sync (the count)
-    if b_Q.numel() != visual_QD.shape[0]:
-        raise ValueError(f"modality: {b_Q.numel()} visual placeholders but the vision encoder "
-                         f"returned {visual_QD.shape[0]} tokens")
+    Q = visual_QD.shape[0]
+    visual_BS = modality_BS != 0
+    # the count is known (the encoder's tokens): a static nonzero, no host read; the device checks it
+    torch._assert_async(visual_BS.sum() == Q, "modality: the visual placeholders are not as many as "
+                        "the vision encoder's tokens")
+    b_Q, s_Q = torch.nonzero_static(visual_BS, size=Q).unbind(1)
     return h_BSD.index_put((b_Q, s_Q), visual_QD.to(h_BSD.dtype))
 
 

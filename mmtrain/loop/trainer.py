@@ -275,17 +275,19 @@ class Trainer:
             with grad_sync(self.model, self.env, last=i == accum - 1):
                 loss = self.callbacks.on_loss(self, self.objective.micro_batch(batch, sums))  # e.g. a NaN
                 (loss * world / accum).backward()
-            sums.loss += float(loss.detach()) / accum
+            sums.loss = sums.loss + loss.detach().double() / accum  # on the device: no sync here
         self.objective.end_backward()
         scale_expert_grads(self.raw_model, self.dims)
         due = (self.step + 1) % self.cfg.train.log_every == 0  # a log step (see is_log_step)
         if due:
             self.grad_parts.measure_grads()  # before clipping
-        grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
-        sums.nonfinite = float(not (math.isfinite(sums.loss) and math.isfinite(grad_norm)))
+        norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)  # a 0-dim tensor
+        sums.nonfinite = (~torch.isfinite(sums.loss + norm.double())).double()
         limit = self.cfg.train.time_limit_min
         sums.time_up = float(bool(limit) and time.monotonic() - self._t_launch > limit * 60)
-        total = sums.reduce(self.env, self.device)
+        # The step's one wait for the device: the skip decision needs its sums before the update.
+        total = sums.reduce(self.env, self.device).floats()
+        grad_norm = float(norm)  # computed before the sums: the queue is drained already
         skipped = total.nonfinite > 0 or not math.isfinite(total.loss)
         if skipped:
             self._skip_step()

@@ -195,19 +195,20 @@ def grad_sync(model: nn.Module, env: DistEnv, last: bool):
     return contextlib.nullcontext() if last else model.no_sync()
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Global gradient norm (over all shards on all ranks), clipped to `max_norm` (0: no clip).
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global gradient norm (over all shards on all ranks) as a 0-dim tensor (no host read), the
+    gradients clipped to `max_norm` (0: no clip).
 
     Gradients on different meshes (dense FSDP and the experts') cannot meet in one DTensor op:
     the norm is taken per mesh and the squares summed."""
     clip = max_norm or float("inf")
     params = [p for p in model.parameters() if p.grad is not None]
     if not any(isinstance(p.grad, DTensor) for p in params):
-        return float(torch.nn.utils.clip_grad_norm_(params, clip))
+        return torch.nn.utils.clip_grad_norm_(params, clip).detach()
     total = global_norm([p.grad for p in params])
     for group in _by_mesh(params, lambda p: p.grad).values():
         torch.nn.utils.clip_grads_with_norm_(group, clip, total)
-    return float(total)
+    return total.detach()
 
 
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
