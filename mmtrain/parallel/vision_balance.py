@@ -1,0 +1,115 @@
+"""The vision encoder's work balanced across ranks (section `vision`, `balance`).
+
+Each training forward: gather every rank's media grids over the balance group, assign each
+medium to an encoding rank (mmtrain/parallel/vision_plan.py: LPT on a n^2 + b n + c), all-to-all
+the patches there, encode them with the model's own VisionEncoder, all-to-all the visual tokens
+back. Both exchanges are the autograd `AllToAll` (backward: the reverse exchange), so the
+encoder's gradients are those of each rank encoding its own media. A rank that encodes nothing
+still runs every block (VisionEncoder's blank frame): FSDP's collectives stay matched.
+
+    none    each rank encodes the media of its rows (the default; no collective)
+    dp      balanced over the ranks with the same cp coordinate (each cp rank still encodes all
+            the media of its rows, as without balancing)
+    dp_cp   balanced over the world; a cp group's ranks hold the same rows, so each of their media
+            is encoded once in the world and its tokens go to every rank of the group
+
+Installed as `MultimodalModel.encode_media` (used in training mode only: eval forwards encode
+locally, so a forward that only some ranks run never waits on the others).
+
+Legend: N patches, P patch dim, M media, Q visual tokens, O decoder dim, G ranks of the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mmtrain.checks import check
+from mmtrain.parallel.comm import AllToAll, Traffic
+from mmtrain.parallel.vision_plan import assign, make_plan
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class VisionBalanceConfig:
+    balance: Literal["none", "dp", "dp_cp"] = "none"
+    # per-medium encoder cost a n^2 + b n + c (n patches): attention, MLP, fixed; to be fitted
+    # (tools/bench/fit_vision_cost.py). Only the ratios matter.
+    cost_a: float = 1.6e-4
+    cost_b: float = 1.0
+    cost_c: float = 64.0
+
+    def __post_init__(self):
+        if self.balance not in ("none", "dp", "dp_cp"):
+            raise ValueError(f"balance: must be none, dp or dp_cp (got {self.balance!r})")
+        check(self, "cost_a", "cost_b", "cost_c", ge=0)
+
+
+class VisionBalancer:
+    def __init__(self, group: dist.ProcessGroup, unit: int, cost: tuple[float, float, float],
+                 traffic: Traffic | None = None) -> None:
+        self.group, self.unit, self.cost, self.traffic = group, unit, cost, traffic
+        self.me, self.G = dist.get_rank(group), dist.get_world_size(group)
+
+    def __call__(self, vision: nn.Module, patches_NP: Tensor, grid_thw_M3: Tensor) -> Tensor:
+        grids_U = self._gather_grids(grid_thw_M3)
+        owner_U = assign([[t * h * w for t, h, w in g] for g in grids_U], self.G, *self.cost)
+        plan = make_plan(grids_U, owner_U, self.me, self.unit, vision.cfg.merge)
+        dev = patches_NP.device
+        send_NP = patches_NP.index_select(0, plan.send_patch_idx.to(dev))
+        enc_NP = self._exchange(send_NP, plan.recv_patches, plan.send_patches, "vision_patches")
+        grid_E3 = torch.tensor(plan.enc_grid, dtype=grid_thw_M3.dtype, device=dev).reshape(-1, 3)
+        enc_QO = vision(enc_NP, grid_E3)
+        send_QO = enc_QO.index_select(0, plan.send_token_idx.to(dev))
+        got_QO = self._exchange(send_QO, plan.recv_tokens, plan.send_tokens, "vision_tokens")
+        return got_QO.index_select(0, plan.local_token_idx.to(dev))
+
+    def _gather_grids(self, grid_thw_M3: Tensor) -> list[list[list[int]]]:
+        """Every unit's grids (from its first rank: the unit's ranks hold the same rows)."""
+        n = grid_thw_M3.new_tensor([grid_thw_M3.shape[0]], dtype=torch.long)
+        counts = [torch.empty_like(n) for _ in range(self.G)]
+        dist.all_gather(counts, n, group=self.group)
+        most = max(int(c) for c in counts)
+        pad_M3 = torch.zeros(most, 3, dtype=torch.long, device=grid_thw_M3.device)
+        pad_M3[:grid_thw_M3.shape[0]] = grid_thw_M3
+        parts = [torch.empty_like(pad_M3) for _ in range(self.G)]
+        dist.all_gather(parts, pad_M3, group=self.group)
+        return [parts[r][:int(counts[r])].tolist() for r in range(0, self.G, self.unit)]
+
+    def _exchange(self, x_ND: Tensor, out_G: list[int], in_G: list[int], kind: str) -> Tensor:
+        return AllToAll.apply(x_ND, out_G, in_G, self.group, lambda x, in_P: self._count(x, in_P, kind))
+
+    def _count(self, x_ND: Tensor, in_G: list[int], kind: str) -> None:
+        if self.traffic is not None:  # rows to the other ranks (our own never leave)
+            others = sum(in_G) - in_G[self.me]
+            self.traffic.add(kind, others * x_ND[:1].numel() * x_ND.element_size())
+
+
+def balance_group(kind: str, dims) -> tuple[dist.ProcessGroup | None, int]:
+    """-> (the balance group, ranks per unit); None when there is nothing to balance. Every rank
+    calls it (new_group is collective)."""
+    if kind == "none" or dims.world_size == 1:
+        return None, 1
+    if kind == "dp_cp":
+        return dist.group.WORLD, dims.cp
+    if dims.cp == 1:
+        return (dist.group.WORLD, 1) if dims.dp_size > 1 else (None, 1)
+    groups = [dist.new_group([r for r in range(dims.world_size) if r % dims.cp == c])
+              for c in range(dims.cp)]
+    return (groups[dims.cp_rank], 1) if dims.dp_size > 1 else (None, 1)
+
+
+def install(model, cfg: VisionBalanceConfig, dims, traffic: Traffic | None = None) -> str:
+    """Set `model.encode_media` per `cfg.balance`; -> a line for the log."""
+    group, unit = balance_group(cfg.balance, dims)
+    if group is None:
+        return f"vision.balance: {cfg.balance}" + (" (nothing to balance: one rank)"
+                                                    if cfg.balance != "none" else "")
+    model.encode_media = VisionBalancer(group, unit, (cfg.cost_a, cfg.cost_b, cfg.cost_c), traffic)
+    return (f"vision.balance: {cfg.balance} over {dist.get_world_size(group)} ranks "
+            f"(units of {unit}; cost {cfg.cost_a:g} n^2 + {cfg.cost_b:g} n + {cfg.cost_c:g})")
