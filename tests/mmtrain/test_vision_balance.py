@@ -21,6 +21,9 @@ STEPS = "5"
 MESHES = {  # (ranks, overrides); the reference: one process, the same rows, balance none
     "fsdp2-dp": (2, ["vision.balance=dp"]),
     "cp2-dp_cp": (2, ["dist.cp=2", "model.decoder.attention.full_tile=16", "vision.balance=dp_cp"]),
+    # media cross cp groups (each sent once, from the group rank i % cp), tokens to both of its ranks
+    "fsdp2-cp2-ep2-dp_cp": (4, ["dist.cp=2", "dist.ep=2", "model.decoder.attention.full_tile=16",
+                                "vision.balance=dp_cp"]),
 }
 
 
