@@ -117,7 +117,7 @@ class Trainer:
         """What the config asks for besides the loop (fault injection comes last, see fault_callbacks)."""
         cfg = self.cfg
         out: list[Callback] = [self.balancer, Throughput(peak_tflops(self.device, cfg.train.peak_tflops))]
-        if self.dims.ep > 1 or self.dims.cp > 1:
+        if self.dims.ep > 1 or self.dims.cp > 1 or cfg.vision.balance != "none":
             out.append(self.traffic)
         if cfg.train.stages:
             out.append(Curriculum(cfg.data, cfg.train.stages, self.use_train_data))

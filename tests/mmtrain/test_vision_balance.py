@@ -6,6 +6,7 @@ step 5's second row holds no medium (test_vision_plan.py covers empty ranks exha
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from dist_runs import HERE as WORKER
@@ -18,19 +19,29 @@ from mmtrain.run_config import RunConfig
 pytestmark = pytest.mark.distributed
 
 STEPS = "5"
-MESHES = {  # (ranks, overrides); the reference: one process, the same rows, balance none
-    "fsdp2-dp": (2, ["vision.balance=dp"]),
-    "cp2-dp_cp": (2, ["dist.cp=2", "model.decoder.attention.full_tile=16", "vision.balance=dp_cp"]),
+MESHES = {  # (ranks, rows, overrides); the reference: one process, the same rows, balance none
+    "fsdp2-dp": (2, 2, ["vision.balance=dp"]),
+    "cp2-dp_cp": (2, 2, ["dist.cp=2", "model.decoder.attention.full_tile=16", "vision.balance=dp_cp"]),
     # media cross cp groups (each sent once, from the group rank i % cp), tokens to both of its ranks
-    "fsdp2-cp2-ep2-dp_cp": (4, ["dist.cp=2", "dist.ep=2", "model.decoder.attention.full_tile=16",
-                                "vision.balance=dp_cp"]),
+    "fsdp2-cp2-ep2-dp_cp": (4, 2, ["dist.cp=2", "dist.ep=2", "model.decoder.attention.full_tile=16",
+                                   "vision.balance=dp_cp"]),
+}
+SLOW = pytest.mark.skipif(not os.environ.get("MMTRAIN_SLOW_TESTS"), reason="4 ranks each (~30 s)")
+MORE_MESHES = {  # beyond CI's budget: MMTRAIN_SLOW_TESTS=1
+    "fsdp4-dp": (4, 4, ["vision.balance=dp"]),
+    "hsdp2x2-dp": (4, 4, ["dist.dp_replicate=2", "vision.balance=dp"]),
+    "ddp4-dp": (4, 4, ["dist.strategy=ddp", "vision.balance=dp"]),
+    "fsdp2-ac-accum-dp": (2, 2, ["dist.activation_checkpointing=true", "train.grad_accum=2",
+                                 "vision.balance=dp"]),
+    # dp under cp: balanced among the ranks of one cp coordinate (its own process groups)
+    "fsdp2-cp2-dp": (4, 2, ["dist.cp=2", "model.decoder.attention.full_tile=16", "vision.balance=dp"]),
 }
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("mesh", [*MESHES, *(pytest.param(m, marks=SLOW) for m in MORE_MESHES)])
 def test_balanced_encoding_matches_one_process(raw_for, tmp_path, mesh):
-    nproc, overrides = MESHES[mesh]
-    base = ["data.batch_size=2", *(o for o in overrides if "full_tile" in o)]
+    nproc, rows, overrides = {**MESHES, **MORE_MESHES}[mesh]
+    base = [f"data.batch_size={rows}", *(o for o in overrides if "full_tile" in o or "grad_accum" in o)]
     one_cfg = write_config(raw_for, tmp_path / "one", base)
     launch([str(WORKER), "parity", str(one_cfg), str(tmp_path / "one.json"), STEPS])
     config = write_config(raw_for, tmp_path / "run", [*base, *overrides])
