@@ -154,6 +154,9 @@ class DataConfig:
         check(self, "retry_backoff_s", "num_workers", "shuffle_buffer", "min_samples_for_failure_rate",
               "shard_retries", "max_media_per_row", "max_visual_tokens_per_row", ge=0)
         check(self, "stall_timeout_s", gt=0)
+        if 0 < self.max_media_per_row < self.max_media_per_doc:  # else such a document fits no row
+            raise ValueError(f"max_media_per_row: {self.max_media_per_row} < max_media_per_doc "
+                             f"{self.max_media_per_doc} (lower max_media_per_doc to it)")
         check(self, "max_failure_rate", ge=0, le=1)
         for split in ("train", "val"):
             names = [s.name for s in getattr(self, split)]

@@ -65,7 +65,7 @@ def test_a_document_over_a_budget_alone_is_an_error_not_a_hang():
 
 
 def test_resume_is_exact_under_a_budget(tmp_path):
-    cfg = _mixed_cfg(tmp_path, shuffle_buffer=5, batch_size=2, max_media_per_row=1)
+    cfg = _mixed_cfg(tmp_path, shuffle_buffer=5, batch_size=2, max_media_per_row=1, max_media_per_doc=1)
     loader = build_loader(cfg, TOK, "train")
     it = iter(loader)
     [next(it) for _ in range(5)]
@@ -78,3 +78,11 @@ def test_resume_is_exact_under_a_budget(tmp_path):
     got = list(itertools.islice(resumed, 6))
     assert all(_same(a, b) for a, b in zip(expected, got)) and len(got) == 6
     assert loader.stats()["held_back"] > 0
+
+
+def test_a_row_cap_below_the_document_cap_is_a_config_error():
+    from mmtrain.data_pipelines.config import DataConfig
+
+    with pytest.raises(ValueError, match="max_media_per_row: 4 < max_media_per_doc 32"):
+        DataConfig(max_media_per_row=4)
+    DataConfig(max_media_per_row=4, max_media_per_doc=4)
