@@ -119,6 +119,8 @@ class Trainer:
         out: list[Callback] = [self.balancer, Throughput(peak_tflops(self.device, cfg.train.peak_tflops))]
         if self.dims.ep > 1 or self.dims.cp > 1 or cfg.vision.balance != "none":
             out.append(self.traffic)
+        if self.raw_model.encode_media is not None:  # the vision balance's cost spread
+            out.append(self.raw_model.encode_media)
         if cfg.train.stages:
             out.append(Curriculum(cfg.data, cfg.train.stages, self.use_train_data))
         if cfg.diagnostics.every:

@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmtrain.callbacks import Callback
 from mmtrain.checks import check
 from mmtrain.parallel.comm import AllToAll, Traffic
-from mmtrain.parallel.vision_plan import assign, make_plan
+from mmtrain.parallel.vision_plan import assign, local_owner, make_plan, rank_costs
 
 Tensor = torch.Tensor
 
@@ -50,15 +51,22 @@ class VisionBalanceConfig:
         check(self, "cost_a", "cost_b", "cost_c", ge=0)
 
 
-class VisionBalancer:
+class VisionBalancer(Callback):
+    """The encode_media callable; as a callback it logs the modelled encoder cost's max / mean over
+    the group's ranks (mean: the work there is to do), balanced and as it would be without."""
+
     def __init__(self, group: dist.ProcessGroup, unit: int, cost: tuple[float, float, float],
                  traffic: Traffic | None = None) -> None:
         self.group, self.unit, self.cost, self.traffic = group, unit, cost, traffic
         self.me, self.G = dist.get_rank(group), dist.get_world_size(group)
+        self.spread: list[tuple[float, float]] = []  # per forward of this step: (balanced, unbalanced)
+        self.last: dict[str, float] = {}
 
     def __call__(self, vision: nn.Module, patches_NP: Tensor, grid_thw_M3: Tensor) -> Tensor:
         grids_U = self._gather_grids(grid_thw_M3)
-        owner_U = assign([[t * h * w for t, h, w in g] for g in grids_U], self.G, *self.cost)
+        sizes_U = [[t * h * w for t, h, w in g] for g in grids_U]
+        owner_U = assign(sizes_U, self.G, *self.cost)
+        self._note(sizes_U, owner_U)
         plan = make_plan(grids_U, owner_U, self.me, self.unit, vision.cfg.merge)
         dev = patches_NP.device
         send_NP = patches_NP.index_select(0, plan.send_patch_idx.to(dev))
@@ -68,6 +76,22 @@ class VisionBalancer:
         send_QO = enc_QO.index_select(0, plan.send_token_idx.to(dev))
         got_QO = self._exchange(send_QO, plan.recv_tokens, plan.send_tokens, "vision_tokens")
         return got_QO.index_select(0, plan.local_token_idx.to(dev))
+
+    def _note(self, sizes_U: list[list[int]], owner_U: list[list[int]]) -> None:
+        bal = rank_costs(sizes_U, owner_U, self.G, *self.cost)
+        mean = sum(bal) / self.G
+        if mean > 0:  # without balancing every rank of a unit encodes all of its media
+            unbal = [rank_costs([s], local_owner([s], 1), 1, *self.cost)[0] for s in sizes_U]
+            self.spread.append((max(bal) / mean, max(unbal) / mean))
+
+    def on_step_end(self, trainer, stats) -> None:
+        n, (bal, unbal) = len(self.spread), (zip(*self.spread) if self.spread else ((), ()))
+        self.last = {"vision/cost_max_over_mean": sum(bal) / n,
+                     "vision/cost_max_over_mean_unbalanced": sum(unbal) / n} if n else {}
+        self.spread = []
+
+    def on_log(self, trainer, stats, scalars: dict) -> None:
+        scalars.update(self.last)
 
     def _gather_grids(self, grid_thw_M3: Tensor) -> list[list[list[int]]]:
         """Every unit's grids (from its first rank: the unit's ranks hold the same rows)."""

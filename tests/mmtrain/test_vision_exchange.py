@@ -57,6 +57,9 @@ def _case(rank: int, grids: list[list[int]], unit: int, seed: int) -> None:
     sent = torch.tensor([traffic.sent.get("vision_tokens", 0)])
     dist.all_reduce(sent)
     assert sent.item() > 0  # the media did move
+    balancer.on_step_end(None, None)  # the logged spread of the modelled cost over the ranks
+    spread = balancer.last
+    assert 1 <= spread["vision/cost_max_over_mean"] < spread["vision/cost_max_over_mean_unbalanced"]
 
 
 def main() -> None:
