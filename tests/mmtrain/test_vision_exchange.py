@@ -1,7 +1,8 @@
 """VisionBalancer against each rank encoding its own media (gloo, 2 ranks, the real VisionEncoder):
 the same visual tokens on every rank and the same encoder gradients summed over ranks -- with a rank
-that holds no medium (it encodes the other's), and with both ranks holding the same rows (a cp
-group: each medium encoded once, its tokens on both). This file is also the worker.
+that holds no medium (it encodes the other's), with both ranks holding the same rows (a cp
+group: each medium encoded once, its tokens on both), and with a rank that encodes nothing at all.
+This file is also the worker.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _grads(enc: VisionEncoder) -> torch.Tensor:
     return g
 
 
-def _case(rank: int, grids: list[list[int]], unit: int, seed: int) -> None:
+def _case(rank: int, grids: list[list[int]], unit: int, seed: int, moves: bool = True) -> None:
     torch.manual_seed(0)
     local = VisionEncoder(VisionConfig(dim=32, depth=1, n_heads=2, patch_size=4, out_norm=True), 24)
     bal = copy.deepcopy(local)
@@ -56,10 +57,11 @@ def _case(rank: int, grids: list[list[int]], unit: int, seed: int) -> None:
     assert rel < 1e-5, rel  # fp32 noise only: the media are batched otherwise
     sent = torch.tensor([traffic.sent.get("vision_tokens", 0)])
     dist.all_reduce(sent)
-    assert sent.item() > 0  # the media did move
+    assert (sent.item() > 0) == moves  # the media did move (or, with nothing to gain, stayed)
     balancer.on_step_end(None, None)  # the logged spread of the modelled cost over the ranks
-    spread = balancer.last
-    assert 1 <= spread["vision/cost_max_over_mean"] < spread["vision/cost_max_over_mean_unbalanced"]
+    last = balancer.last
+    bal, unbal = last["vision/cost_max_over_mean"], last["vision/cost_max_over_mean_unbalanced"]
+    assert 1 <= bal < unbal if moves else bal == unbal
 
 
 def main() -> None:
@@ -70,6 +72,8 @@ def main() -> None:
     _case(rank, [[1, 4, 4], [2, 4, 6], [1, 2, 2]] if rank == 0 else [], unit=1, seed=10 + rank)
     # one cp group of 2: the same rows on both ranks, the media split between them
     _case(rank, [[1, 4, 4], [2, 4, 6], [1, 2, 2], [1, 6, 4]], unit=2, seed=20)
+    # one image in all: rank 1 encodes, sends and receives nothing, yet joins every collective
+    _case(rank, [[1, 2, 2]] if rank == 0 else [], unit=1, seed=30, moves=False)
     dist.destroy_process_group()
 
 
