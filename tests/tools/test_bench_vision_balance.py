@@ -27,3 +27,9 @@ def test_fit_recovers_the_coefficients_of_exact_times():
     n = [t * h * w for t, h, w in sizes(2, 64, (1, 4, 16))]
     a, b, c = fit(n, [3e-4 * x * x + 2.0 * x + 50.0 for x in n])
     assert (a, b, c) == pytest.approx((3e-4, 2.0, 50.0), rel=1e-6)
+
+
+def test_fit_drops_a_term_that_would_come_out_negative():
+    n = [t * h * w for t, h, w in sizes(2, 64, (1, 4))]
+    a, b, c = fit(n, [1e-3 * x * x + 400.0 - 0.5 * x for x in n])  # no cost model: b < 0
+    assert b == 0 and a > 0 and c >= 0

@@ -23,12 +23,20 @@ from mmtrain.run_config import RunConfig
 
 
 def fit(n_K: list[int], t_K: list[float]) -> tuple[float, float, float]:
-    """Least squares t = a n^2 + b n + c, coefficients clamped at >= 0 (a cost, not a curve)."""
+    """Least squares t = a n^2 + b n + c with a, b, c >= 0 (a cost, not a curve): a term whose
+    coefficient comes out negative is dropped and the rest refitted."""
     n = torch.tensor(n_K, dtype=torch.float64)
-    A_K3 = torch.stack([n * n, n, torch.ones_like(n)], 1)
-    coef = torch.linalg.lstsq(A_K3, torch.tensor(t_K, dtype=torch.float64)[:, None]).solution[:, 0]
-    a, b, c = (max(float(x), 0.0) for x in coef)
-    return a, b, c
+    cols_K3 = torch.stack([n * n, n, torch.ones_like(n)], 1)
+    t_K1 = torch.tensor(t_K, dtype=torch.float64)[:, None]
+    active = [0, 1, 2]
+    while True:
+        coef = torch.linalg.lstsq(cols_K3[:, active], t_K1).solution[:, 0].tolist()
+        if min(coef) >= 0 or len(active) == 1:
+            out = [0.0, 0.0, 0.0]
+            for j, x in zip(active, coef):
+                out[j] = max(x, 0.0)
+            return out[0], out[1], out[2]
+        active.pop(coef.index(min(coef)))
 
 
 def sizes(merge: int, max_side: int, frames: tuple[int, ...]) -> list[tuple[int, int, int]]:
