@@ -11,7 +11,8 @@ still runs every block (VisionEncoder's blank frame): FSDP's collectives stay ma
     dp      balanced over the ranks with the same cp coordinate (each cp rank still encodes all
             the media of its rows, as without balancing)
     dp_cp   balanced over the world; a cp group's ranks hold the same rows, so each of their media
-            is encoded once in the world and its tokens go to every rank of the group
+            is encoded once in the world and its tokens go to the ranks of the group whose chunk
+            holds one of its placeholders
 
 Installed as `MultimodalModel.encode_media` (used in training mode only: eval forwards encode
 locally, so a forward that only some ranks run never waits on the others).
@@ -62,12 +63,17 @@ class VisionBalancer(Callback):
         self.spread: list[tuple[float, float]] = []  # per forward of this step: (balanced, unbalanced)
         self.last: dict[str, float] = {}
 
-    def __call__(self, vision: nn.Module, patches_NP: Tensor, grid_thw_M3: Tensor) -> Tensor:
-        grids_U = self._gather_grids(grid_thw_M3)
+    def __call__(self, vision: nn.Module, patches_NP: Tensor, grid_thw_M3: Tensor,
+                 modality_BS: Tensor | None = None) -> Tensor:
+        """`modality_BS` (whole rows, under cp): a medium's tokens go only to the cp ranks whose
+        chunk holds one of its placeholders; the other rows of the result stay zero (unread)."""
+        merge = vision.cfg.merge
+        need_M = self._need(modality_BS, grid_thw_M3, merge)
+        grids_U, need_U = self._gather_grids(torch.cat([grid_thw_M3.long(), need_M[:, None]], 1))
         sizes_U = [[t * h * w for t, h, w in g] for g in grids_U]
         owner_U = assign(sizes_U, self.G, *self.cost)
         self._note(sizes_U, owner_U)
-        plan = make_plan(grids_U, owner_U, self.me, self.unit, vision.cfg.merge)
+        plan = make_plan(grids_U, owner_U, self.me, self.unit, merge, need_U)
         dev = patches_NP.device
         send_NP = patches_NP.index_select(0, plan.send_patch_idx.to(dev))
         enc_NP = self._exchange(send_NP, plan.recv_patches, plan.send_patches, "vision_patches")
@@ -75,7 +81,24 @@ class VisionBalancer(Callback):
         enc_QO = vision(enc_NP, grid_E3)
         send_QO = enc_QO.index_select(0, plan.send_token_idx.to(dev))
         got_QO = self._exchange(send_QO, plan.recv_tokens, plan.send_tokens, "vision_tokens")
-        return got_QO.index_select(0, plan.local_token_idx.to(dev))
+        return got_QO.new_zeros(plan.n_tokens, got_QO.shape[1]).index_copy(
+            0, plan.local_token_idx.to(dev), got_QO)
+
+    def _need(self, modality_BS: Tensor | None, grid_thw_M3: Tensor, merge: int) -> Tensor:
+        """(M,) int64: bit r set when unit rank r's chunk of the rows holds a token of the medium."""
+        M, dev = grid_thw_M3.shape[0], grid_thw_M3.device
+        everyone_M = torch.full((M,), (1 << self.unit) - 1, dtype=torch.long, device=dev)
+        if self.unit == 1 or modality_BS is None:
+            return everyone_M
+        _, s_Q = torch.nonzero(modality_BS != 0, as_tuple=True)
+        tok_M = grid_thw_M3.long().prod(-1) // merge ** 2
+        if s_Q.numel() != int(tok_M.sum()):  # not ours to judge: the decoder names the mismatch
+            return everyone_M
+        medium_Q = torch.repeat_interleave(torch.arange(M, device=dev), tok_M)
+        chunk_Q = s_Q // (modality_BS.shape[1] // self.unit)
+        need_MR = torch.zeros(M, self.unit, dtype=torch.long, device=dev)
+        need_MR[medium_Q, chunk_Q] = 1
+        return (need_MR << torch.arange(self.unit, device=dev)).sum(1)
 
     def _note(self, sizes_U: list[list[int]], owner_U: list[list[int]]) -> None:
         bal = rank_costs(sizes_U, owner_U, self.G, *self.cost)
@@ -93,17 +116,19 @@ class VisionBalancer(Callback):
     def on_log(self, trainer, stats, scalars: dict) -> None:
         scalars.update(self.last)
 
-    def _gather_grids(self, grid_thw_M3: Tensor) -> list[list[list[int]]]:
-        """Every unit's grids (from its first rank: the unit's ranks hold the same rows)."""
-        n = grid_thw_M3.new_tensor([grid_thw_M3.shape[0]], dtype=torch.long)
+    def _gather_grids(self, grid_M4: Tensor) -> tuple[list[list[list[int]]], list[list[int]]]:
+        """Every unit's (t, h, w) grids and need masks (from its first rank: the unit's ranks hold
+        the same rows)."""
+        n = grid_M4.new_tensor([grid_M4.shape[0]])
         counts = [torch.empty_like(n) for _ in range(self.G)]
         dist.all_gather(counts, n, group=self.group)
         most = max(int(c) for c in counts)
-        pad_M3 = torch.zeros(most, 3, dtype=torch.long, device=grid_thw_M3.device)
-        pad_M3[:grid_thw_M3.shape[0]] = grid_thw_M3
-        parts = [torch.empty_like(pad_M3) for _ in range(self.G)]
-        dist.all_gather(parts, pad_M3, group=self.group)
-        return [parts[r][:int(counts[r])].tolist() for r in range(0, self.G, self.unit)]
+        pad_M4 = grid_M4.new_zeros(most, 4)
+        pad_M4[:grid_M4.shape[0]] = grid_M4
+        parts = [torch.empty_like(pad_M4) for _ in range(self.G)]
+        dist.all_gather(parts, pad_M4, group=self.group)
+        rows_U = [parts[r][:int(counts[r])].tolist() for r in range(0, self.G, self.unit)]
+        return [[g[:3] for g in rows] for rows in rows_U], [[g[3] for g in rows] for rows in rows_U]
 
     def _exchange(self, x_ND: Tensor, out_G: list[int], in_G: list[int], kind: str) -> Tensor:
         return AllToAll.apply(x_ND, out_G, in_G, self.group, lambda x, in_P: self._count(x, in_P, kind))

@@ -8,7 +8,9 @@ longest-processing-time-first bin packing on cost(n) = a n^2 + b n + c (n patche
 
 Its sender is the owner itself when the owner is in the unit (no traffic), else unit member
 i % unit (the unit's sends spread over its ranks). The owner encodes its media in (sender, i)
-order -- the order they arrive in -- and sends each medium's tokens back to every rank of its unit.
+order -- the order they arrive in -- and sends each medium's tokens back to the ranks of its unit
+that read them (`need_U`: a bit per unit rank, e.g. the cp ranks whose chunk holds a placeholder
+of the medium; default: all). A rank's tokens of media it does not read stay zero.
 
 Legend: G ranks of the balance group, U units, M media of this rank's rows, N patches, Q tokens.
 """
@@ -88,12 +90,14 @@ class Plan:
     send_token_idx: Tensor  # rows of the encoded tokens to send, grouped by destination
     send_tokens: list[int]
     recv_tokens: list[int]
-    local_token_idx: Tensor  # rows of the received tokens, in this rank's media order
+    local_token_idx: Tensor  # for each received token row, its row in this rank's media order
+    n_tokens: int  # visual tokens of this rank's media (rows not received stay zero)
 
 
 def make_plan(grids_U: list[list[list[int]]], owner_U: list[list[int]], me: int, unit: int,
-              merge: int) -> Plan:
+              merge: int, need_U: list[list[int]] | None = None) -> Plan:
     G, u_me = len(grids_U) * unit, me // unit
+    need_U = need_U or [[(1 << unit) - 1] * len(grids) for grids in grids_U]
     size = [[t * h * w for t, h, w in grids] for grids in grids_U]
     enc = [sorted((sender(u, i, o, unit), u, i) for u, owners in enumerate(owner_U)
                   for i, o in enumerate(owners) if o == r) for r in range(G)]  # each owner's order
@@ -112,21 +116,19 @@ def make_plan(grids_U: list[list[list[int]]], owner_U: list[list[int]], me: int,
         enc_start.append(enc_start[-1] + tok[u][i])
     send_token, send_tokens = [], []
     for p in range(G):  # tokens of the media I encoded back to every rank of their unit
-        rows = [j for k, (_, u, i) in enumerate(enc[me]) if u == p // unit
+        rows = [j for k, (_, u, i) in enumerate(enc[me]) if u == p // unit and need_U[u][i] >> (p % unit) & 1
                 for j in range(enc_start[k], enc_start[k + 1])]
         send_token += rows
         send_tokens.append(len(rows))
-    local, recv_tokens, at = {}, [], 0
-    for q in range(G):  # arrival: by owner q, in q's order restricted to my unit
-        n0 = at
-        for _, u, i in enc[q]:
-            if u == u_me:
-                local[i] = range(at, at + tok[u][i])
-                at += tok[u][i]
-        recv_tokens.append(at - n0)
-    local_idx = [j for i in range(len(size[u_me])) for j in local[i]]
+    mine = tok[u_me]
+    start_tok = [sum(mine[:i]) for i in range(len(mine))]
+    local_idx, recv_tokens = [], []
+    for q in range(G):  # arrival: by owner q, in q's order restricted to what I read
+        got = [i for _, u, i in enc[q] if u == u_me and need_U[u][i] >> (me % unit) & 1]
+        local_idx += [j for i in got for j in range(start_tok[i], start_tok[i] + mine[i])]
+        recv_tokens.append(sum(mine[i] for i in got))
     return Plan(_idx(send_patch), send_patches, recv_patches, [grids_U[u][i] for _, u, i in enc[me]],
-                _idx(send_token), send_tokens, recv_tokens, _idx(local_idx))
+                _idx(send_token), send_tokens, recv_tokens, _idx(local_idx), sum(mine))
 
 
 def _idx(rows: list[int]) -> Tensor:

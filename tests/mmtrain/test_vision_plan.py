@@ -42,21 +42,28 @@ def all_to_all(sends: list[torch.Tensor], send_splits: list[list[int]]) -> list[
     return [torch.cat([parts[q][p] for q in range(G)]) for p in range(G)]
 
 
-def simulate(grids_U, unit):
-    """-> (each rank's received tokens, each rank's own reference tokens, the plans)."""
+def simulate(grids_U, unit, need_U=None):
+    """-> (each rank's received tokens, each rank's own reference tokens, the plans, the owners);
+    reference rows of media a rank does not read (`need_U`) are zeroed."""
     G = len(grids_U) * unit
     sizes_U = [[t * h * w for t, h, w in g] for g in grids_U]
     owner_U = assign(sizes_U, G, *COST)
     patches_U = [torch.randn(sum(sizes), P) for sizes in sizes_U]  # a unit's ranks hold the same rows
-    plans = [make_plan(grids_U, owner_U, r, unit, MERGE) for r in range(G)]
+    plans = [make_plan(grids_U, owner_U, r, unit, MERGE, need_U) for r in range(G)]
     sends = [patches_U[r // unit][pl.send_patch_idx] for r, pl in enumerate(plans)]
     got = all_to_all(sends, [pl.send_patches for pl in plans])
     for r, pl in enumerate(plans):
         assert got[r].shape[0] == sum(pl.recv_patches)
     enc = [fake_encode(got[r], pl.enc_grid) for r, pl in enumerate(plans)]
     back = all_to_all([e[pl.send_token_idx] for e, pl in zip(enc, plans)], [pl.send_tokens for pl in plans])
-    mine = [b[pl.local_token_idx] for b, pl in zip(back, plans)]
+    mine = [b.new_zeros(pl.n_tokens, P).index_copy(0, pl.local_token_idx, b) for b, pl in zip(back, plans)]
     ref = [fake_encode(patches_U[r // unit], grids_U[r // unit]) for r in range(G)]
+    for r in range(G) if need_U else ():
+        u, at = r // unit, 0
+        for (t, h, w), need in zip(grids_U[u], need_U[u]):
+            q = t * h * w // MERGE ** 2
+            ref[r][at:at + q] *= need >> (r % unit) & 1
+            at += q
     return mine, ref, plans, owner_U
 
 
@@ -73,6 +80,22 @@ def test_every_rank_gets_the_tokens_of_its_own_media(unit):
         encoded = sorted(tuple(g) for pl in plans for g in pl.enc_grid)
         assert encoded == sorted(tuple(g) for grids in grids_U for g in grids)
         assert owner_U == assign([[t * h * w for t, h, w in g] for g in grids_U], len(mine), *COST)
+
+
+@pytest.mark.parametrize("unit", [2, 4])
+def test_tokens_go_only_to_the_ranks_that_read_them(unit):
+    """With need masks (the cp ranks whose chunk holds a placeholder of the medium), each rank gets
+    exactly the tokens of the media it reads; every medium is still encoded once."""
+    rng = random.Random(10 + unit)
+    for _ in range(30):
+        grids_U = random_grids(rng, rng.choice([1, 2, 3]), empty_unit=False)
+        need_U = [[rng.randint(1, (1 << unit) - 1) for _ in g] for g in grids_U]
+        mine, ref, plans, _ = simulate(grids_U, unit, need_U)
+        for r in range(len(mine)):
+            torch.testing.assert_close(mine[r], ref[r], rtol=0, atol=0)
+        sent = sum(sum(pl.send_tokens) for pl in plans)
+        assert sent == sum(t * h * w // MERGE ** 2 * bin(n).count("1") for g, nd in zip(grids_U, need_U)
+                           for (t, h, w), n in zip(g, nd))  # each medium's tokens to its readers only
 
 
 @pytest.mark.parametrize("unit", [1, 2])
