@@ -125,6 +125,9 @@ class DataConfig:
     tokenizer: str = "byte"  # "byte" or a HF tokenizers JSON path (or a directory holding tokenizer.json)
     seq_len: int = 1024  # tokens per packed row (text + one placeholder per merged visual token)
     batch_size: int = 8  # rows per batch
+    # visual budgets per row (0: none): the packer holds a document back rather than exceed one
+    max_media_per_row: int = 0
+    max_visual_tokens_per_row: int = 0
     num_workers: int = 2  # loader processes per rank; 0 = in the main process
     prefetch_factor: int = 2  # batches each worker keeps ready
     shuffle_buffer: int = 256  # train samples per source kept for shuffling (0: stream order)
@@ -149,8 +152,11 @@ class DataConfig:
         check(self, "batch_size", "prefetch_factor", "pack_lookahead", "max_member_bytes", "max_text_bytes",
               "max_media_per_doc", "shuffle_buffer_bytes", ge=1)
         check(self, "retry_backoff_s", "num_workers", "shuffle_buffer", "min_samples_for_failure_rate",
-              "shard_retries", ge=0)
+              "shard_retries", "max_media_per_row", "max_visual_tokens_per_row", ge=0)
         check(self, "stall_timeout_s", gt=0)
+        if 0 < self.max_media_per_row < self.max_media_per_doc:  # else such a document fits no row
+            raise ValueError(f"max_media_per_row: {self.max_media_per_row} < max_media_per_doc "
+                             f"{self.max_media_per_doc} (lower max_media_per_doc to it)")
         check(self, "max_failure_rate", ge=0, le=1)
         for split in ("train", "val"):
             names = [s.name for s in getattr(self, split)]

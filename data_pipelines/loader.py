@@ -96,7 +96,8 @@ class WorkerPipeline:
                 stream.reader.cursor = tuple(start[i])
             self.streams.append(stream)
         self.mixer = Mixer([s.weight for s in sources], CounterRng(cfg.seed, "mix", rank, worker))
-        self.packer = Packer(cfg.seq_len, cfg.batch_size, cfg.pack_lookahead)
+        self.packer = Packer(cfg.seq_len, cfg.batch_size, cfg.pack_lookahead, cfg.max_media_per_row,
+                             cfg.max_visual_tokens_per_row)
         self.pack = Counter()
         m = cfg.media
         self.patch_dim = 3 * m.temporal_patch * m.patch_size * m.patch_size
@@ -117,6 +118,9 @@ class WorkerPipeline:
         while (rows := self.packer.next_rows(self._pull)) is not None:
             batch = assemble(rows, self.cfg.seq_len, self.tok.special.pad, self.patch_dim)
             self._count(batch)
+            if self.packer.held_back:  # only under a visual budget: `pack` as before without one
+                self.pack.update(held_back=self.packer.held_back)
+                self.packer.held_back = 0
             delta, self.delta = self.delta, []
             yield batch, self.state_dict(), delta
 
@@ -353,6 +357,7 @@ def summarize(sources: list[_Source], states: list[dict]) -> dict:
         "mixture": mixture,
         "batches": pack["batches"],
         "media": pack["media"],
+        "held_back": pack["held_back"],  # documents a row's visual budget made wait (data.max_*_per_row)
         "tokens": {"text": pack["tokens"] - pack["visual_tokens"], "visual": pack["visual_tokens"],
                    "padding": pack["slots"] - pack["tokens"]},
         "packing_efficiency": pack["tokens"] / pack["slots"] if pack["slots"] else 0.0,

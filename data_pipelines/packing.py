@@ -5,6 +5,12 @@ oldest first, into the first row of the batch with room; the batch is closed whe
 document fits anywhere. Documents never straddle rows (long texts were chunked upstream), and
 whatever does not fit waits for the next batch, first in line.
 
+Visual budgets (`max_media`, `max_visual` per row; 0 = none): a document goes only where it keeps
+its row within both, else it waits like one without room (held back, never dropped: it stays
+pending, so the loader's state still resumes exactly). `held_back` counts, per closed batch, the
+waiting documents that had the tokens' room somewhere but not the budgets'. The vision encoder's
+cost is a sum over media of n^2 + n terms, so a row's tokens alone do not bound it.
+
 Legend: B rows, S seq_len, N patches, P patch dim, M media.
 """
 
@@ -20,14 +26,18 @@ from mmtrain.data_pipelines.documents import Document
 
 
 class Packer:
-    def __init__(self, seq_len: int, batch_size: int, lookahead: int):
+    def __init__(self, seq_len: int, batch_size: int, lookahead: int, max_media: int = 0,
+                 max_visual: int = 0):
         self.seq_len, self.batch_size, self.lookahead = seq_len, batch_size, max(1, lookahead)
+        self.max_media, self.max_visual = max_media or float("inf"), max_visual or float("inf")
         self.pending: list[Document] = []
+        self.held_back = 0  # documents that waited for a visual budget only (see the module docstring)
 
     def next_rows(self, pull: Callable[[], Document | None]) -> list[list[Document]] | None:
         """Documents per row for the next batch; None when the stream is exhausted."""
         rows: list[list[Document]] = [[] for _ in range(self.batch_size)]
         free = [self.seq_len] * self.batch_size
+        media, visual = [0] * self.batch_size, [0] * self.batch_size
         exhausted = False
         while True:
             while not exhausted and len(self.pending) < self.lookahead:
@@ -35,22 +45,36 @@ class Packer:
                 if doc is None:
                     exhausted = True
                 else:
-                    if len(doc) > self.seq_len:
-                        raise ValueError(f"document of {len(doc)} tokens > seq_len {self.seq_len}")
+                    self._check(doc)
                     self.pending.append(doc)
             placed, waiting = False, []
             for doc in self.pending:
-                r = next((i for i, f in enumerate(free) if f >= len(doc)), None)
+                r = next((i for i, f in enumerate(free) if f >= len(doc) and
+                          media[i] + len(doc.media) <= self.max_media and
+                          visual[i] + sum(doc.media_tokens) <= self.max_visual), None)
                 if r is None:
                     waiting.append(doc)
                     continue
                 rows[r].append(doc)
                 free[r] -= len(doc)
+                media[r] += len(doc.media)
+                visual[r] += sum(doc.media_tokens)
                 placed = True
             self.pending = waiting
             if not placed:
                 break
+        self.held_back += sum(any(f >= len(d) for f in free) for d in self.pending)
         return rows if any(rows) else None
+
+    def _check(self, doc: Document) -> None:
+        """A document that no empty row can take would wait forever: an error, like one too long."""
+        if len(doc) > self.seq_len:
+            raise ValueError(f"document of {len(doc)} tokens > seq_len {self.seq_len}")
+        if len(doc.media) > self.max_media:
+            raise ValueError(f"document with {len(doc.media)} media > max_media_per_row {self.max_media}")
+        if sum(doc.media_tokens) > self.max_visual:
+            raise ValueError(f"document with {sum(doc.media_tokens)} visual tokens > "
+                             f"max_visual_tokens_per_row {self.max_visual}")
 
 
 def assemble(rows: list[list[Document]], seq_len: int, pad_id: int, patch_dim: int) -> PackedBatch:

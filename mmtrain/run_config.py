@@ -23,6 +23,7 @@ from mmtrain.objectives.mixture import SIGNAL_OF
 from mmtrain.objectives.objective import LossConfig
 from mmtrain.optim import OptimConfig
 from mmtrain.parallel.config import DistConfig
+from mmtrain.parallel.vision_balance import VisionBalanceConfig
 
 
 @dataclass
@@ -79,12 +80,15 @@ class RunConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    vision: VisionBalanceConfig = field(default_factory=VisionBalanceConfig)  # encoder work across ranks
     diagnostics: DiagConfig = field(default_factory=DiagConfig)
     captions: CaptionEvalConfig = field(default_factory=CaptionEvalConfig)  # captioning eval (every eval)
 
     def __post_init__(self):
         self._check_objectives()
         self._check_context_parallel()
+        if self.vision.balance == "dp_cp" and self.dist.cp == 1:
+            raise ValueError("vision.balance: dp_cp needs dist.cp > 1 (use dp)")
         known = {s.name for s in self.data.train}
         for i, stage in enumerate(self.train.stages):
             for name in stage.sources:

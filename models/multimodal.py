@@ -59,6 +59,9 @@ class MultimodalModel(nn.Module):
         out = cfg.vision.merge ** 2 * cfg.vision.patch_dim
         self.visual_head = nn.Linear(cfg.decoder.dim, out) if cfg.visual_head else None
         self._reset_visual_head()
+        # (vision, patches_NP, grid_thw_M3, modality_BS) -> visual_ND, training forwards; None: self.vision.
+        # The trainer side may install one spreading it over ranks (mmtrain/parallel/vision_balance.py).
+        self.encode_media: Callable[[VisionEncoder, Tensor, Tensor, Tensor], Tensor] | None = None
 
     def forward(self, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, span_ids_BS: Tensor,
                 modality_BS: Tensor, patches_NP: Tensor, grid_thw_M3: Tensor,
@@ -72,7 +75,9 @@ class MultimodalModel(nn.Module):
         them and the outputs (logits, hidden states) are this rank's chunk of each row.
         `visual_next` adds the visual head's predictions (`visual_next_KT`), here for the same reason.
         """
-        visual_ND = self.vision(patches_NP, grid_thw_M3)  # N: patches in, merged tokens out
+        encode = self.encode_media if self.training and self.encode_media is not None else None
+        visual_ND = (self.vision(patches_NP, grid_thw_M3) if encode is None  # N: patches in, merged out
+                     else encode(self.vision, patches_NP, grid_thw_M3, modality_BS))
         visual_ssl = (None if ssl_mask_N is None
                       else self.vision.masked_patch_loss(patches_NP, grid_thw_M3, ssl_mask_N))
         out = self.decoder(tokens_BS, pos_ids_3BS, doc_ids_BS, span_ids_BS, modality_BS, visual_ND,

@@ -54,6 +54,7 @@ from mmtrain.parallel.context_parallel import context_shard
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv, all_reduce, current_env, pick_device
 from mmtrain.parallel.parallelize import build_model, clip_grad_norm, grad_sync, scale_expert_grads
+from mmtrain.parallel.vision_balance import install as install_vision_balance
 from mmtrain.run_config import RunConfig
 from mmtrain.state import train_state
 from mmtrain.state.checkpoint import TOKENIZER_FILE, Checkpointer, tokenizer_file
@@ -85,6 +86,7 @@ class Trainer:
         train_state.seed_everything(cfg.train.seed)  # the same initial weights on every rank
         self.raw_model, self.model = build_model(cfg, self.env, self.device, self.dims, self.traffic)
         self.context = context_shard(self.dims, self.device, cfg.data.seq_len, self.traffic)  # or None
+        self.vision_balance = install_vision_balance(self.raw_model, cfg.vision, self.dims, self.traffic)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.grad_parts = GradParts(self.raw_model)  # per-part norms of a log step
@@ -115,8 +117,10 @@ class Trainer:
         """What the config asks for besides the loop (fault injection comes last, see fault_callbacks)."""
         cfg = self.cfg
         out: list[Callback] = [self.balancer, Throughput(peak_tflops(self.device, cfg.train.peak_tflops))]
-        if self.dims.ep > 1 or self.dims.cp > 1:
+        if self.dims.ep > 1 or self.dims.cp > 1 or cfg.vision.balance != "none":
             out.append(self.traffic)
+        if self.raw_model.encode_media is not None:  # the vision balance's cost spread
+            out.append(self.raw_model.encode_media)
         if cfg.train.stages:
             out.append(Curriculum(cfg.data, cfg.train.stages, self.use_train_data))
         if cfg.diagnostics.every:
@@ -244,6 +248,7 @@ class Trainer:
         if self.env.distributed:
             log.info(f"rank {self.env.rank}/{self.env.world_size} on {self.device}, {self.dims.describe()}, "
                      f"{self.cfg.dist.strategy}, {self.raw_model.num_params()}")
+            log.info(self.vision_balance)
         if self.resumed_from is not None:
             log.info(f"resumed from {self.resumed_from} at step {self.step}")
         if self.resume_note and self.env.is_main:
