@@ -194,25 +194,36 @@ def fit_budget(segments: list, cfg: DataConfig) -> tuple[list, int, int]:
     Raises SkipSample(too_long) when not a single text token would survive.
     """
     media, room = cfg.media, cfg.seq_len - 2  # bos + eos
+    # data.max_visual_tokens_per_row: a document must fit an empty row's visual budget too
+    # (else the packer could never place it): scaled down like for seq_len, then cut
+    vis_room = cfg.max_visual_tokens_per_row or room
     px_levels = _levels(media.max_pixels, media.min_pixels)
     fr_levels = _frame_levels(media)
     tries = [(px, fr_levels[0]) for px in px_levels] + [(px_levels[-1], fr) for fr in fr_levels[1:]]
     for px, fr in tries:
-        if sum(_seg_cost(s, media, px, fr) for s in segments) <= room:
+        costs = [_seg_cost(s, media, px, fr) for s in segments]
+        if sum(costs) <= room and _visual(segments, costs) <= vis_room:
             return segments, px, fr
-    kept, used = [], 0
+    kept, used, vis = [], 0, 0
     for seg in segments:  # 3. cut at a segment boundary / truncate the overflowing text
         cost = _seg_cost(seg, media, px, fr)
-        if used + cost <= room:
+        seen = 0 if isinstance(seg, list) else cost - 2  # its placeholders (not the two markers)
+        if used + cost <= room and vis + seen <= vis_room:
             kept.append(seg)
-            used += cost
+            used, vis = used + cost, vis + seen
             continue
         if isinstance(seg, list) and room - used > 0:
             kept.append(seg[: room - used])
         break
     if not any(isinstance(s, list) and s for s in kept):
-        raise SkipSample(L.TOO_LONG, f"media alone exceed seq_len {cfg.seq_len}")
+        raise SkipSample(L.TOO_LONG, f"media alone exceed seq_len {cfg.seq_len} or "
+                                     f"max_visual_tokens_per_row {cfg.max_visual_tokens_per_row}")
     return kept, px, fr
+
+
+def _visual(segments: list, costs: list[int]) -> int:
+    """Visual placeholders of the segments (a medium's cost less its two markers)."""
+    return sum(c - 2 for s, c in zip(segments, costs) if not isinstance(s, list))
 
 
 # ----- segments -> document ---------------------------------------------------------------------

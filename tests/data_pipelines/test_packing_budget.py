@@ -86,3 +86,15 @@ def test_a_row_cap_below_the_document_cap_is_a_config_error():
     with pytest.raises(ValueError, match="max_media_per_row: 4 < max_media_per_doc 32"):
         DataConfig(max_media_per_row=4)
     DataConfig(max_media_per_row=4, max_media_per_doc=4)
+
+
+@pytest.mark.parametrize("max_visual", [1, 6])
+def test_the_loader_fits_documents_to_the_visual_budget_never_raising(tmp_path, max_visual):
+    """Media over the row's visual budget are scaled down, then cut at a segment, else the sample
+    is skipped and counted (too_long): the packer never sees a document it could not place."""
+    cfg = _mixed_cfg(tmp_path, batch_size=2, max_visual_tokens_per_row=max_visual)
+    batches = list(itertools.islice(iter(build_loader(cfg, TOK, "train")), 12))
+    assert len(batches) == 12
+    for b in batches:
+        visual_B = (b.modality_BS != 0).sum(1)
+        assert int(visual_B.max()) <= max_visual
