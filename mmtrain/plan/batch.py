@@ -9,6 +9,7 @@ Legend: B rows, S seq_len, N patches, P patch dim, M media.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -41,8 +42,8 @@ def plan_batch(cfg, fake_mode, visual_frac: float) -> PackedBatch:
     per_doc = n_vis + CAPTION
     n_img = min(int(visual_frac * S // n_vis), (S - 1) // per_doc) if visual_frac > 0 else 0
     P = cfg.model.vision.patch_dim
-    with fake_mode:
-        patches_NP = torch.empty(grid[0] * grid[1] * grid[2], P)
+    with fake_mode or contextlib.nullcontext():  # None: real pixels (the measured run)
+        patches_NP = torch.randn(grid[0] * grid[1] * grid[2], P)
     vocab = cfg.model.decoder.vocab_size
     row = [[Medium(IMAGE, grid, patches_NP), _text(CAPTION, vocab)] for _ in range(n_img)]
     rest = S - n_img * per_doc

@@ -77,13 +77,26 @@ def plan_dispatchers(model, imbalance: float) -> None:
             moe.dispatcher = PlanDispatcher(moe.dispatcher, imbalance)
 
 
-class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """A fake tensor read on the host (`float(loss)`, `.item()`, the gradient norm) gives a stated
-    value instead of raising: the step's control flow is the one of a finite step. And fp32
-    `_grouped_mm` (CPU has it; its fake kernel checks for bf16) gets its shape from a bf16 call."""
+class PlanMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """Outside fake mode (the batch's integer fields stay real, for the host reads the model makes
+    on them), three things a fake step needs:
+    - a floating-point tensor made from nothing (FSDP2's all-gather buffers, activations'
+      `torch.zeros`) is fake: never real memory; integer ones (positions, masks) stay real;
+    - a fake tensor read on the host (`float(loss)`, `.item()`, the gradient norm) gives a stated
+      value instead of raising: the control flow of a finite step;
+    - fp32 `_grouped_mm` (CPU has it; its fake kernel checks for bf16) gets its shape from a bf16 call.
+    """
+
+    def __init__(self, fake) -> None:
+        super().__init__()
+        self.fake = fake
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        other_fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        if not other_fake and _is_constructor(func) and _made_dtype(func, args, kwargs).is_floating_point:
+            with self.fake:
+                return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
             return True if args[0].dtype == torch.bool else (1 if not args[0].is_floating_point() else 1.0)
         grouped = func is torch.ops.aten._grouped_mm.default
@@ -91,6 +104,22 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
             a, b = (t.to(torch.bfloat16) for t in args[:2])
             return func(a, b, *args[2:], **kwargs).to(torch.float32)
         return func(*args, **kwargs)
+
+
+def _made_dtype(func, args, kwargs) -> torch.dtype:
+    """The dtype a constructor makes: its own, else arange / full infer it from their numbers."""
+    if kwargs.get("dtype") is not None:
+        return kwargs["dtype"]
+    if func.__name__.startswith(("arange", "full", "scalar_tensor")):
+        numbers = [a for a in args if isinstance(a, (int, float, bool))]
+        return torch.get_default_dtype() if any(isinstance(a, float) for a in numbers) else torch.int64
+    return torch.get_default_dtype()
+
+
+def _is_constructor(func) -> bool:
+    from torch._subclasses.fake_tensor import _is_tensor_constructor
+
+    return _is_tensor_constructor(func)
 
 
 def _is_fake(t) -> bool:

@@ -7,7 +7,8 @@ gradient scaling, clipping and the optimizer step, as `Trainer.train_step` does 
 "cpu" (fake CUDA tensors abort in backward on a CPU-only build): CUDA's bf16 autocast is modelled
 by CPU autocast to bf16. Stand-ins (standin.py): attention kernels, EP split sizes, host reads.
 
-The second step is measured (its optimizer state exists): the peak per category and per module
+The first step is only its optimizer step (on zero gradients: AdamW's state); the second is the
+real step, measured: the peak per category and per module
 (FSDPMemTracker), and the collectives by mesh dimension (comm.py).
 """
 
@@ -70,9 +71,19 @@ def trace(cfg, opts: PlanOptions) -> Trace:
         raise RuntimeError("plan: a process group is already initialised")
     dist.init_process_group("fake", store=FakeStore(), rank=opts.rank, world_size=opts.gpus)
     try:
-        return _trace(cfg, opts)
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        return _run(cfg, opts, FakeTensorMode(allow_non_fake_inputs=True))
     finally:
         dist.destroy_process_group()
+
+
+def measure(cfg, opts: PlanOptions) -> Trace:
+    """The same two steps on real tensors, in a process group the caller set up (gloo, or none for
+    one rank): what the plan's peak is checked against (tools/bench/bench_plan.py)."""
+    if opts.gpus > 1 and not dist.is_initialized():
+        raise RuntimeError("measure: needs the process group of the run")
+    return _run(cfg, opts, None)
 
 
 def dims_for(cfg, gpus: int, rank: int = 0):
@@ -87,24 +98,23 @@ def dims_for(cfg, gpus: int, rank: int = 0):
     return dims
 
 
-def _trace(cfg, opts: PlanOptions) -> Trace:
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _run(cfg, opts: PlanOptions, fake) -> Trace:
+    """Two steps (fake: on fake tensors; None: real ones), the second measured."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from mmtrain.plan.batch import plan_batch
     from mmtrain.plan.comm import CommCounter, crosses_nodes, group_names
     from mmtrain.plan.flops import component_flops
-    from mmtrain.plan.standin import HostReads
+    from mmtrain.plan.standin import PlanMode
 
     dims = dims_for(cfg, opts.gpus, opts.rank)
     for build in (dims.dense_mesh, dims.expert_mesh, dims.cp_mesh):  # outside fake mode: real groups
         build("cpu")
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
     step = _Step(cfg, dims, fake, opts)
     batch = plan_batch(cfg, fake, opts.visual_frac)
     counter = CommCounter(group_names(dims))
-    with HostReads():
-        step.run(batch)  # the first step creates the optimizer state
+    with PlanMode(fake) if fake is not None else contextlib.nullcontext():
+        step.warm_up()  # the first step's optimizer state
         tracker = FSDPMemTracker(step.model, step.optimizer)
         with tracker, counter:
             step.run(batch)
@@ -140,12 +150,15 @@ class _Step:
         install()
         prime_probes(torch.device("cpu"))  # grouped_mm's probe runs real tensors: before fake mode
         cfg.model.decoder.attention.backend = "plan"
-        self.cfg, self.dims = cfg, dims
+        self.cfg, self.dims, self.fake = cfg, dims, fake
         self.env = DistEnv(opts.rank, opts.gpus, opts.rank % 8, min(opts.gpus, 8))
         cuda_bf16 = cfg.train.device == "cuda" and cfg.train.dtype == "bfloat16"
         self.model = _parallelized(cfg, dims, cuda_bf16)
-        with fake:  # parameters, gradients and optimizer state: fake from here on
+        with fake or contextlib.nullcontext():  # fake: parameters, gradients, optimizer state too
             self.model.to_empty(device="cpu")
+            if fake is None:
+                torch.manual_seed(0)
+                self.model.init_weights()
             self.optimizer = build_optimizer(self.model, cfg.optim)
         plan_dispatchers(self.model, opts.ep_imbalance)
         from mmtrain.data_pipelines.batch import TASK_NAMES
@@ -156,6 +169,14 @@ class _Step:
         self.objective = Objective(cfg, self.model, balancer, env=self.env, device=torch.device("cpu"),
                                    raw_model=self.model, dp_rank=dims.dp_rank, cp_rank=dims.cp_rank,
                                    context=None, autocast=autocast)
+
+    def warm_up(self) -> None:
+        """What a first step leaves behind, without its forward: AdamW's state from zero gradients."""
+        with torch.no_grad(), self.fake or contextlib.nullcontext():
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def run(self, batch) -> None:
         from mmtrain.parallel.parallelize import clip_grad_norm, grad_sync, scale_expert_grads
