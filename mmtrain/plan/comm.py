@@ -5,7 +5,8 @@ all-reduce, EP's all-to-alls, the loop's own all-reduces) with its process group
 named by the mesh dimension it belongs to. Wire bytes per rank, as docs/DISTRIBUTED.md counts them
 (ring / pairwise algorithms, n ranks in the group, N bytes the full tensor): all-gather and
 reduce-scatter (n - 1) / n x N, all-reduce 2 (n - 1) / n x N, all-to-all the rows sent to other
-ranks (a rank's own rows never leave it).
+ranks (a rank's own rows never leave it). Not seen: collectives DTensor issues inside its own
+dispatch (the gradient norm's scalar all-reduces).
 """
 
 from __future__ import annotations
@@ -22,17 +23,18 @@ KINDS = {"allgather": "all_gather", "reduce_scatter": "reduce_scatter", "allredu
 
 
 def group_names(dims) -> dict[str, str]:
-    """process group name -> its mesh dimension(s), e.g. 'fsdp', 'dp_replicate', 'ep'."""
-    names: dict[str, str] = {}
-    meshes = sorted(dims._meshes.items(), key=lambda kv: kv[0] == "world")  # a group's own name first
-    for _, mesh in meshes:
+    """process group name -> the mesh dimensions it serves, e.g. 'fsdp', 'fsdp/ep' (one node of
+    FSDP(8) + EP(8): the same 8 ranks); 'world' for a group that is nothing else."""
+    dims_of: dict[str, set[str]] = {}
+    for mesh in dims._meshes.values():
         for dim in mesh.mesh_dim_names or ():
             if mesh[dim].size() > 1:
-                names.setdefault(mesh.get_group(dim).group_name, dim)
-    if dims.ep > 1:
-        mesh = dims._meshes["expert"]
-        names.setdefault(mesh["efsdp", "ep"]._flatten("efsdp_ep").get_group().group_name, "efsdp_ep")
-    return names
+                dims_of.setdefault(mesh.get_group(dim).group_name, set()).add(dim)
+    return {g: "/".join(sorted(d - {"world", "dp_shard"}, key=ROLES.index) or ["world"])
+            for g, d in dims_of.items()}
+
+
+ROLES = ("fsdp", "ep", "efsdp", "dp_replicate", "cp")  # the names a group is reported by, in order
 
 
 class CommCounter(TorchDispatchMode):
@@ -100,7 +102,4 @@ def crosses_nodes(dims, per_node: int) -> dict[str, bool]:
         for dim in mesh.mesh_dim_names or ():
             ranks = mesh[dim].mesh.flatten().tolist()
             out.setdefault(dim, len({r // per_node for r in ranks}) > 1)
-    if dims.ep > 1:
-        ranks = dims._meshes["expert"]["efsdp", "ep"].mesh.flatten().tolist()
-        out["efsdp_ep"] = len({r // per_node for r in ranks}) > 1
     return out

@@ -56,7 +56,7 @@ def build(config: str, trace, gpu: GPU, gpus: int, params: dict) -> dict:
 def _comm(trace, gpu: GPU) -> dict:
     rows, intra, inter = [], 0.0, 0.0
     for (dim, kind), (calls, nbytes) in sorted(trace.comm.items()):
-        across = trace.crosses.get(dim, False)
+        across = any(trace.crosses.get(d, False) for d in dim.split("/"))
         seconds = nbytes / ((gpu.inter_gbps if across else gpu.intra_gbps) * 1e9)
         rows.append({"dim": dim, "kind": kind, "calls": int(calls), "bytes": nbytes,
                      "across_nodes": across, "seconds": seconds})
@@ -78,7 +78,7 @@ def text(plan: dict) -> str:
     lines.append("  top modules (peak while they run):")
     lines += [f"    {t['module']:<52}{t['bytes'] / GIB:9.2f} GiB" for t in m["top_modules"]]
     lines.append("collectives per step (wire bytes this rank sends):")
-    lines += [f"  {c['dim']:<13}{c['kind']:<15}{c['calls']:5d} calls {c['bytes'] / GIB:9.3f} GiB "
+    lines += [f"  {c['dim']:<17}{c['kind']:<15}{c['calls']:5d} calls {c['bytes'] / GIB:9.3f} GiB "
               f"{'across nodes' if c['across_nodes'] else 'in node':<13}{c['seconds'] * 1e3:8.1f} ms"
               for c in plan["comm"]]
     f = plan["flops"]

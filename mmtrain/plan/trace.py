@@ -108,8 +108,11 @@ def _run(cfg, opts: PlanOptions, fake) -> Trace:
     from mmtrain.plan.standin import PlanMode
 
     dims = dims_for(cfg, opts.gpus, opts.rank)
-    for build in (dims.dense_mesh, dims.expert_mesh, dims.cp_mesh):  # outside fake mode: real groups
-        build("cpu")
+    dims.dense_mesh("cpu")  # outside fake mode: the groups are real
+    if dims.ep > 1:
+        dims.expert_mesh("cpu")
+    if dims.cp > 1:
+        dims.cp_mesh("cpu")
     step = _Step(cfg, dims, fake, opts)
     batch = plan_batch(cfg, fake, opts.visual_frac)
     counter = CommCounter(group_names(dims))
