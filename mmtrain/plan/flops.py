@@ -43,8 +43,10 @@ def pairs(lengths: list[int], cap: float | None = None) -> float:
 
 
 def component_flops(model: nn.Module, batch, accum: int = 1, keep_rate: float | None = None,
-                    recompute: bool = False) -> dict[str, float]:
-    """{component: FLOPs} of one optimizer step on this rank (`model` on any device, meta too)."""
+                    recompute: bool = False, cp: int = 1) -> dict[str, float]:
+    """{component: FLOPs} of one optimizer step on this rank (`model` on any device, meta too).
+    Context parallelism: the decoder's work is split over the cp ranks (the mean rank: later
+    chunks attend more keys), the vision tower encodes every medium on each of them."""
     dec_cfg, vis_cfg = model.cfg.decoder, model.cfg.vision
     dec, vis = model.decoder, model.vision
     T = batch.num_tokens()
@@ -75,7 +77,7 @@ def component_flops(model: nn.Module, batch, accum: int = 1, keep_rate: float | 
     visual = int((batch.modality_BS != 0).sum())
     if getattr(model, "visual_head", None) is not None:
         out["visual head"] = 6 * matmul_params(model.visual_head) * visual
-    out = {k: v * accum for k, v in out.items()}
+    out = {k: v * accum / (1 if k == "vit" else cp) for k, v in out.items()}
     if recompute:  # the checkpointed blocks' forward again: a third of their training FLOPs
         out["recompute"] = sum(v for k, v in out.items() if k not in ("lm head", "visual head")) / 3
     return out

@@ -12,6 +12,8 @@ Legend: B rows, H query heads, K kv heads, S tokens, D head dim.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mmtrain.models.attention.registry import ANY, BACKENDS, BOTH, Backend, register_backend
@@ -25,16 +27,41 @@ def attend_standin(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta, cfg, se
     rep = H // k_BKSD.shape[1]
     k_BHSD = k_BKSD[:, :, None].expand(-1, -1, rep, -1, -1).reshape(B, H, S, D)
     v_BHSD = v_BKSD[:, :, None].expand(-1, -1, rep, -1, -1).reshape(B, H, S, D)
-    q_BSHD, k_BSHD, v_BSHD = (t.transpose(1, 2) for t in (q_BHSD, k_BHSD, v_BHSD))
-    out_BSHD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2), is_causal=True)[0]
-    return out_BSHD
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(q_BHSD, k_BHSD, v_BHSD, is_causal=True)[0]
 
 
 def install() -> None:
     """Register the stand-in (once per process)."""
     if NAME not in BACKENDS:
         register_backend(Backend(NAME, attend_standin, layers=BOTH, devices=ANY, train=ANY))
+
+
+def attend_context_standin(q_BHsD: Tensor, k_BKsD: Tensor, v_BKsD: Tensor, meta, cfg, sparse: bool,
+                           shard) -> Tensor:
+    """Context parallelism: every layer all-gathers K/V over cp (the real collective: full layers'
+    traffic and memory; for sparse layers the selective fetch's upper bound, which it reaches with
+    random picks up to cp = 8, and its buffer, which is the whole row's), then the flash-style
+    kernel for the rank's queries over the row."""
+    k_BKSD, v_BKSD = shard.comm.gather_seq(k_BKsD), shard.comm.gather_seq(v_BKsD)
+    B, H, s, D = q_BHsD.shape
+    rep, S = H // k_BKSD.shape[1], k_BKSD.shape[2]
+    k_BHSD = k_BKSD[:, :, None].expand(-1, -1, rep, -1, -1).reshape(B, H, S, D)
+    v_BHSD = v_BKSD[:, :, None].expand(-1, -1, rep, -1, -1).reshape(B, H, S, D)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_BHsD, k_BHSD, v_BHSD)[0]
+
+
+@contextlib.contextmanager
+def context_standin():
+    """attend()'s context-parallel path -> attend_context_standin, for the duration."""
+    from mmtrain.models.attention import api
+
+    real = api.attend_context
+    api.attend_context = attend_context_standin
+    try:
+        yield
+    finally:
+        api.attend_context = real
 
 
 class PlanDispatcher:
@@ -99,11 +126,30 @@ class PlanMode(torch.utils._python_dispatch.TorchDispatchMode):
                 return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
             return True if args[0].dtype == torch.bool else (1 if not args[0].is_floating_point() else 1.0)
+        if func in _INDEXING and _is_fake(args[0]) and any(_real_mask(t) for t in args[1]):
+            return func(args[0], _as_positions(args[1]), *args[2:], **kwargs)
         grouped = func is torch.ops.aten._grouped_mm.default
         if grouped and _is_fake(args[0]) and args[0].dtype == torch.float32:
             a, b = (t.to(torch.bfloat16) for t in args[:2])
             return func(a, b, *args[2:], **kwargs).to(torch.float32)
         return func(*args, **kwargs)
+
+
+_INDEXING = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+             torch.ops.aten._index_put_impl_.default)
+
+
+def _real_mask(t) -> bool:
+    return isinstance(t, Tensor) and not _is_fake(t) and t.dtype == torch.bool
+
+
+def _as_positions(indices: list) -> list:
+    """A fake tensor indexed by a real boolean mask (`x[mask]`, and its backward): the mask's
+    positions, read on the host, in its place (a fake mask's count would be unknown)."""
+    out = []
+    for t in indices:
+        out.extend(t.nonzero(as_tuple=True) if _real_mask(t) else [t])
+    return out
 
 
 def _made_dtype(func, args, kwargs) -> torch.dtype:

@@ -46,7 +46,7 @@ class Trace:
     peak: dict[str, float]  # category -> bytes at the step's peak
     modules: list[tuple[str, float]]  # the top modules by their own peak
     comm: dict[tuple[str, str], list[float]]  # (mesh dim, kind) -> [calls, wire bytes]
-    tokens: int  # tokens a rank's micro-batch holds
+    tokens: int  # tokens of a rank's micro-batch (its chunk of the rows under cp)
     visual_tokens: int
     patches: int
     mesh: dict = field(default_factory=dict)
@@ -105,7 +105,7 @@ def _run(cfg, opts: PlanOptions, fake) -> Trace:
     from mmtrain.plan.batch import plan_batch
     from mmtrain.plan.comm import CommCounter, crosses_nodes, group_names
     from mmtrain.plan.flops import component_flops
-    from mmtrain.plan.standin import PlanMode
+    from mmtrain.plan.standin import PlanMode, context_standin
 
     dims = dims_for(cfg, opts.gpus, opts.rank)
     dims.dense_mesh("cpu")  # outside fake mode: the groups are real
@@ -116,7 +116,7 @@ def _run(cfg, opts: PlanOptions, fake) -> Trace:
     step = _Step(cfg, dims, fake, opts)
     batch = plan_batch(cfg, fake, opts.visual_frac)
     counter = CommCounter(group_names(dims))
-    with PlanMode(fake) if fake is not None else contextlib.nullcontext():
+    with PlanMode(fake) if fake is not None else contextlib.nullcontext(), context_standin():
         step.warm_up()  # the first step's optimizer state
         tracker = FSDPMemTracker(step.model, step.optimizer)
         with tracker, counter:
@@ -126,8 +126,8 @@ def _run(cfg, opts: PlanOptions, fake) -> Trace:
         if ref in CATEGORIES:
             peak[CATEGORIES[ref]] = peak.get(CATEGORIES[ref], 0) + nbytes
     flops = component_flops(step.model, batch, cfg.train.grad_accum, opts.keep_rate,
-                            cfg.dist.activation_checkpointing)
-    return Trace(opts.rank, peak, _top_modules(tracker), dict(counter.calls), batch.num_tokens(),
+                            cfg.dist.activation_checkpointing, dims.cp)
+    return Trace(opts.rank, peak, _top_modules(tracker), dict(counter.calls), batch.num_tokens() // dims.cp,
                  int((batch.modality_BS != 0).sum()), batch.patches_NP.shape[0],
                  {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "ep": dims.ep},
                  crosses_nodes(dims, opts.per_node), flops)
@@ -146,6 +146,7 @@ class _Step:
         from mmtrain.objectives.balance import build_balancer
         from mmtrain.objectives.objective import Objective
         from mmtrain.optim import build_optimizer
+        from mmtrain.parallel.context_parallel import context_shard
         from mmtrain.parallel.distributed import DistEnv
         from mmtrain.parallel.parallelize import prime_probes
         from mmtrain.plan.standin import install, plan_dispatchers
@@ -169,9 +170,10 @@ class _Step:
         balancer = build_balancer(cfg.loss.balancer, {t: getattr(cfg.loss, t) for t in TASK_NAMES})
         bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731  (CUDA's, modelled)
         autocast = bf16 if cuda_bf16 else contextlib.nullcontext
+        context = context_shard(dims, torch.device("cpu"), cfg.data.seq_len, None)  # None: no cp
         self.objective = Objective(cfg, self.model, balancer, env=self.env, device=torch.device("cpu"),
                                    raw_model=self.model, dp_rank=dims.dp_rank, cp_rank=dims.cp_rank,
-                                   context=None, autocast=autocast)
+                                   context=context, autocast=autocast)
 
     def warm_up(self) -> None:
         """What a first step leaves behind, without its forward: AdamW's state from zero gradients."""

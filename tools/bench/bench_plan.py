@@ -27,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SHORT = {"seq": "data.seq_len", "rows": "data.batch_size"}
 CASES = ["tiny:1", "tiny:2", "tiny:2:ep=2", "tiny:4", "tiny:4:dp_replicate=2", "tiny:4:ep=4",
-         "tiny:4:dp_replicate=2,ep=2", "small:2:seq=1024,rows=2", "small:4:seq=1024,rows=2,ep=4",
+         "tiny:4:dp_replicate=2,ep=2", "tiny:2:cp=2", "tiny:4:cp=2,ep=2", "small:2:seq=1024,rows=2",
+         "small:2:seq=1024,rows=2,cp=2", "small:4:seq=1024,rows=2,ep=4",
          "small:4:seq=1024,rows=2,dp_replicate=2"]
 MIB = 2**20
 
