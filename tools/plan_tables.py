@@ -3,7 +3,7 @@
     python -m tools.plan_tables                                  # print the tables
     python -m tools.plan_tables --write docs/DISTRIBUTED.md      # replace them between the markers
 
-Each row is `mmtrain plan configs/NAME.yaml --gpus N --gpu h100 --set ...` (the command is printed
+Each row is `mmtrain plan CONFIG --gpus N --gpu h100 --set ...` (the command is printed
 beside the table); the plan's defaults: half of each row's tokens image tokens, uniform routing.
 """
 
