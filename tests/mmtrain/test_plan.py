@@ -32,6 +32,8 @@ def test_planned_peak_equals_the_measured_peak(ranks):
     assert planned["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.02)
     for category, nbytes in measured["by_category"].items():
         assert planned["by_category"][category] == pytest.approx(nbytes, rel=0.05, abs=2**20), category
+    by_module = {m["module"]: m["bytes"] for m in planned["top_modules"]}  # the layers' own peaks
+    assert by_module == pytest.approx({m["module"]: m["bytes"] for m in measured["top_modules"]}, rel=0.02)
 
 
 @pytest.mark.parametrize("mesh", [{}, {"ep": 2}], ids=["FSDP(2)", "EP(2)"])

@@ -76,7 +76,9 @@ def worker(config: str, out: str, sets: list[str]) -> None:
     cfg = load_config(RunConfig, config, sets)
     result = measure(cfg, PlanOptions(gpus=dist.get_world_size(), rank=dist.get_rank()))
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({"peak_bytes": result.total, "by_category": result.peak}))
+        modules = [{"module": m, "bytes": b} for m, b in result.modules]
+        Path(out).write_text(json.dumps({"peak_bytes": result.total, "by_category": result.peak,
+                                         "top_modules": modules}))
     dist.destroy_process_group()
 
 
