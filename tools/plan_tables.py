@@ -58,7 +58,7 @@ def memory_table(rows: list[tuple[str, dict]]) -> list[str]:
 
 def traffic_table(rows: list[tuple[str, dict]]) -> list[str]:
     out = ["| command | collectives per step: group kind GB (calls) | across nodes (GB) | compute (s) | "
-           "step, overlapped .. serial (s) | MFU |", "|---|---|---|---|---|---|"]
+           "step, overlapped .. serial (s) | MFU at that step |", "|---|---|---|---|---|---|"]
     for cmd, p in rows:
         comm = "; ".join(f"{c['dim']} {c['kind']} {c['bytes'] / GB:.2f} ({c['calls']})" for c in p["comm"]
                          if c["bytes"] >= 1e6)
@@ -71,8 +71,7 @@ def traffic_table(rows: list[tuple[str, dict]]) -> list[str]:
 
 
 def flops_table(rows: list[tuple[str, dict]]) -> list[str]:
-    names = list(rows[0][1]["flops"]["by_component"])
-    names += [n for _, p in rows for n in p["flops"]["by_component"] if n not in names]
+    names = list(dict.fromkeys(n for _, p in rows for n in p["flops"]["by_component"]))
     out = ["| command | " + " | ".join(names) + " | model TFLOP / GPU / step |",
            "|---|" + "---|" * (len(names) + 1)]
     for cmd, p in rows:
