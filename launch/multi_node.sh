@@ -18,6 +18,8 @@
 #   MAX_RESTARTS    whole-job restarts after a failure (default 3; each resumes from the newest
 #                   checkpoint, so the run directory must be on a filesystem all nodes share)
 #   PYTHON          default .venv/bin/python if present, else python
+#   MMTRAIN_SKIP_PLAN=1, PLAN_GPU
+#                   the `mmtrain plan` preflight (launch/preflight.sh): skip it; the GPU model
 #   DP_REPLICATE, DP_SHARD, CP, EP
 #                   when set: --set dist.dp_replicate / dp_shard / cp / ep (before the arguments
 #                   after CONFIG, so an explicit --set there still wins); unset: the config's
@@ -33,6 +35,8 @@ MESH=()
 for kv in dp_replicate="${DP_REPLICATE:-}" dp_shard="${DP_SHARD:-}" cp="${CP:-}" ep="${EP:-}"; do
   [ -n "${kv#*=}" ] && MESH+=(--set "dist.$kv")
 done
+source launch/preflight.sh  # memory per GPU before the launch; MMTRAIN_SKIP_PLAN=1 skips it
+preflight "$CONFIG" "$((NNODES * NPROC_PER_NODE))" ${MESH[@]+"${MESH[@]}"} "$@"
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" \

@@ -5,7 +5,8 @@
 #
 # Environment: NPROC (default: the GPUs of this node, else 2), MAX_RESTARTS (default 3: after a
 # crash torchrun restarts every rank and the run resumes from its newest checkpoint),
-# PYTHON (default: .venv/bin/python if present, else python). See docs/DISTRIBUTED.md.
+# PYTHON (default: .venv/bin/python if present, else python), MMTRAIN_SKIP_PLAN=1 (no `mmtrain plan`
+# preflight; launch/preflight.sh), PLAN_GPU. See docs/DISTRIBUTED.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${1:?usage: launch/single_node.sh CONFIG [--set KEY=VALUE ...]}
@@ -16,5 +17,7 @@ if [ -z "${NPROC:-}" ]; then
   [ "$NPROC" -gt 0 ] || NPROC=2
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+source launch/preflight.sh
+preflight "$CONFIG" "$NPROC" "$@"  # memory per GPU before the launch; MMTRAIN_SKIP_PLAN=1 skips it
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
   --max-restarts "${MAX_RESTARTS:-3}" -m mmtrain.train "$CONFIG" "$@"

@@ -1,4 +1,4 @@
-"""`mmtrain` command line: `train`, `export`, `generate`, `data synth|write|inspect`, `attn`
+"""`mmtrain` command line: `train`, `export`, `generate`, `plan`, `data synth|write|inspect`, `attn`
 (= `mmtrain-attn`).
 
 User mistakes (bad config, missing data, unwritable paths) print one line and exit 2; anything
@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_gen = sub.add_parser("generate", help="captions and continuations from a checkpoint (KV cache)")
     generate.add_arguments(p_gen)
     p_gen.set_defaults(func=generate.run)
+    from mmtrain.plan import cli as plan_cli
+
+    p_plan = sub.add_parser("plan", help="before launch: memory per rank, collectives, FLOPs and a roofline "
+                                         "step time of a config at N GPUs (fake tensors, seconds)")
+    plan_cli.add_arguments(p_plan)
+    p_plan.set_defaults(func=plan_cli.run)
     p_data = sub.add_parser("data", help="write, synthesise and inspect webdataset shards")
     data_cli.add_commands(p_data)
     from mmtrain.attention_maps import cli as attn_cli  # tools -> mmtrain: imported only here, argparse only

@@ -1,0 +1,68 @@
+"""`mmtrain plan CONFIG --gpus N --gpu NAME [--set ...] [--rank R] [--json]`: memory per rank,
+collectives, FLOPs and a roofline step time of the config's real training step at N ranks, on
+fake tensors (mmtrain/plan/trace.py). Exits 3 with the numbers when the peak does not fit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+NO_FIT = 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run config YAML, e.g. configs/base.yaml")
+    parser.add_argument("--gpus", type=int, required=True, help="ranks of the launch (the world size)")
+    parser.add_argument("--gpu", default="h100", help="GPU model: a100, h100, h200, b200, mi300x")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, as for train (repeatable)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank to report (default 0: under the "
+                        "plan's balanced batch every rank carries the same load, rank 0 the EP imbalance)")
+    parser.add_argument("--visual-frac", type=float, default=0.5,
+                        help="share of a row's tokens that are image tokens")
+    parser.add_argument("--ep-imbalance", type=float, default=1.0,
+                        help="rows this rank's experts receive / the uniform share (EP)")
+    parser.add_argument("--keep-rate", type=float, default=None,
+                        help="sparse layers' kept share of the causal pairs (default: the rule's cap)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = make_plan(args.config, args.gpus, args.gpu, args.overrides, rank=args.rank,
+                     visual_frac=args.visual_frac, ep_imbalance=args.ep_imbalance, keep_rate=args.keep_rate)
+    from mmtrain.plan.report import text
+
+    print(json.dumps(plan, indent=1) if args.json else text(plan))
+    return 0 if plan["memory"]["fits"] else NO_FIT
+
+
+def make_plan(config: str, gpus: int, gpu_name: str, overrides=(), **options) -> dict:
+    from mmtrain.config import load_config
+    from mmtrain.errors import UserError
+    from mmtrain.plan import report
+    from mmtrain.plan.gpus import gpu
+    from mmtrain.plan.trace import PlanOptions, dims_for, trace
+    from mmtrain.run_config import RunConfig
+
+    spec = gpu(gpu_name)
+    if gpus < 1:
+        raise UserError(f"--gpus: must be >= 1 (got {gpus})")
+    cfg = load_config(RunConfig, config, list(overrides))
+    cfg.model.decoder.vocab_size = cfg.model.decoder.vocab_size or 32768
+    dims_for(cfg, gpus)  # a mesh that does not fit the world: the one-line error, before any work
+    if not 0 <= options.get("rank", 0) < gpus:
+        raise UserError(f"--rank: must be in [0, {gpus}) (got {options['rank']})")
+    params = _params(cfg)
+    result = trace(cfg, PlanOptions(gpus=gpus, per_node=spec.per_node, **options))
+    return report.build(config, result, spec, gpus, params)
+
+
+def _params(cfg) -> dict:
+    import torch
+
+    from mmtrain.models.counting import count_params
+    from mmtrain.models.multimodal import MultimodalModel
+
+    with torch.device("meta"):
+        counts = count_params(MultimodalModel(cfg.model))
+    return {"total": counts.total, "active": counts.active, "vision": counts.vision}

@@ -1,0 +1,106 @@
+"""`mmtrain plan` (mmtrain/plan/): the planned peak equals the peak of the same step on real tensors
+(1 and 2 gloo ranks); its collective bytes equal bench_comm's formula (itself equal to the bytes
+counted on gloo, tests/tools/test_bench_comm.py); its FLOPs equal a count by hand; its verdict is
+the exit code; bad meshes and GPU names are one-line errors naming the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mmtrain.cli import main
+from mmtrain.config import load_config
+from mmtrain.models import testing
+from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.plan import gpus
+from mmtrain.plan.batch import _with_targets
+from mmtrain.plan.cli import make_plan
+from mmtrain.plan.flops import component_flops
+from mmtrain.run_config import RunConfig
+from tools.bench import bench_comm, bench_plan
+
+TINY = str(bench_plan.REPO / "configs" / "tiny.yaml")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_planned_peak_equals_the_measured_peak(ranks):
+    planned = bench_plan.planned(f"tiny:{ranks}:rows=2")
+    measured = bench_plan.measured(f"tiny:{ranks}:rows=2", timeout=300)
+    assert planned["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.02)
+    for category, nbytes in measured["by_category"].items():
+        assert planned["by_category"][category] == pytest.approx(nbytes, rel=0.05, abs=2**20), category
+    by_module = {m["module"]: m["bytes"] for m in planned["top_modules"]}  # the layers' own peaks
+    assert by_module == pytest.approx({m["module"]: m["bytes"] for m in measured["top_modules"]}, rel=0.02)
+
+
+@pytest.mark.parametrize("mesh", [{}, {"ep": 2}], ids=["FSDP(2)", "EP(2)"])
+def test_planned_bytes_equal_bench_comms_formula(mesh):
+    sets = ["model.decoder.vocab_size=512", "model.visual_head=false", "loss.visual_next.weight=0",
+            "data.batch_size=2", *(f"dist.{k}={v}" for k, v in mesh.items())]
+    plan = make_plan(TINY, 2, "h100", sets, visual_frac=0.0)
+    got: dict[str, float] = {}
+    for row in plan["comm"]:
+        if row["kind"] != "all_reduce":  # (the loop's own sums and the MoE load: not in the formula)
+            got[row["kind"]] = got.get(row["kind"], 0.0) + row["bytes"]
+    f = bench_comm.formula(bench_comm.tiny_model_cfg().model, {"world": 2, **mesh}, tokens=2 * 256,
+                           param_bytes=4, grad_bytes=4, act_bytes=4)
+    assert got["all_gather"] == pytest.approx(f["ag_expert"] + f["ag_other"], rel=1e-9)
+    assert got["reduce_scatter"] == pytest.approx(f["rs_expert"] + f["rs_other"], rel=1e-9)
+    assert got.get("all_to_all", 0.0) == pytest.approx(f["a2a"], rel=1e-9)
+    assert (f["a2a"] > 0) == bool(mesh)
+
+
+def test_flops_equal_a_count_by_hand():
+    """tiny: D 128, 4 heads of 32 (2 kv), layers F S F S, layer 0 dense (SwiGLU 384), 1-3 MoE (8
+    experts of 128, top 2, one shared of 128); vision 96 wide, 2 blocks, MLP 384, patches of 384
+    values, projector 384 -> 384 -> 128; sparse cap: window 8 + (own + sink + top 2) x 4 = 24."""
+    cfg = load_config(RunConfig, TINY, ["model.decoder.vocab_size=512"])
+    with torch.device("meta"):
+        model = MultimodalModel(cfg.model)
+    image = testing.Medium(1, (1, 8, 8), torch.zeros(64, 384))  # 16 visual tokens
+    docs = [[image, torch.full((16,), 5)], [torch.full((32,), 5)]]  # two documents of 32 tokens
+    batch = _with_targets(testing.pack([docs], 64, 384), n_img=1, n_vis=16)
+    got = component_flops(model, batch)
+    T, attn_proj, per_pair = 64, 256 * 128 + 128 * 128, 12 * 4 * 32
+    full_pairs, sparse_pairs = 2 * 32 * 33 / 2, 2 * (24 * 25 / 2 + 8 * 24)
+    tower = 96 * 384 + 2 * (288 * 96 + 96 * 96 + 2 * 384 * 96)
+    want = {
+        "full attention": 2 * (6 * attn_proj * T + per_pair * full_pairs),
+        "sparse attention": 2 * (6 * attn_proj * T + per_pair * sparse_pairs),
+        "dense ffn": 6 * (768 * 128 + 128 * 384) * T,
+        "moe experts": 3 * 6 * 2 * (128 * 256 + 128 * 128) * T,
+        "shared experts": 3 * 6 * (256 * 128 + 128 * 128) * T,
+        "router": 3 * 6 * 8 * 128 * T,
+        "lm head": 6 * 512 * 128 * T,
+        "vit": 6 * tower * 64 + 12 * 96 * 2 * 64 ** 2 + 6 * (384 * 384 + 128 * 384) * 16,
+        "visual head": 6 * 1536 * 128 * 16,
+    }
+    assert got == pytest.approx(want, rel=1e-12)
+    again = component_flops(model, batch, accum=2, keep_rate=0.5, recompute=True)
+    assert again["sparse attention"] == pytest.approx(2 * 2 * (6 * attn_proj * T + per_pair * full_pairs / 2))
+    assert again["recompute"] == pytest.approx(sum(v for k, v in again.items()
+                                                   if k not in ("recompute", "lm head", "visual head")) / 3)
+
+
+def test_json_and_the_exit_code_say_whether_it_fits(monkeypatch, capsys):
+    monkeypatch.setitem(gpus.GPUS, "toy", gpus.GPU("toy", gpus.MARGIN_GIB + 1.0, 100.0, 1.0, 100.0, 10.0))
+    code = main(["plan", TINY, "--gpus", "2", "--gpu", "toy", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    peak = plan["memory"]["peak_bytes"]
+    assert peak > 2**30 and not plan["memory"]["fits"] and code == 3  # tiny at vocab 32k: ~1.5 GiB
+    assert peak == pytest.approx(sum(plan["memory"]["by_category"].values()))
+    fsdp = {r["kind"] for r in plan["comm"] if r["dim"] == "fsdp"}  # 2 ranks: one group
+    assert fsdp == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert main(["plan", TINY, "--gpus", "2", "--gpu", "h100"]) == 0
+
+
+@pytest.mark.parametrize("args, key", [(["--gpus", "3", "--set", "dist.dp_replicate=2"], "dist.dp_replicate"),
+                                       (["--gpus", "4", "--set", "dist.ep=3"], "dist.ep"),
+                                       (["--gpus", "2", "--gpu", "v100"], "--gpu")])
+def test_bad_input_is_one_line_naming_the_key(args, key, capsys):
+    assert main(["plan", TINY, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and key in err
