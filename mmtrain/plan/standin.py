@@ -75,6 +75,13 @@ class PlanDispatcher:
         self.group, self.P, self.me, self.E, self.L = real.group, real.P, real.me, real.E, real.L
         self.count, self.imbalance = real._count, imbalance
 
+    def chunks(self, T: int, chunk: int, device: torch.device) -> int:
+        """The planned batch is the same on every rank: no agreement to make (the real dispatcher's
+        one-int all-reduce is left out of the traffic)."""
+        from mmtrain.models.moe.dispatch import chunk_count
+
+        return chunk_count(T, chunk)
+
     def __call__(self, experts, x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor) -> Tensor:
         from mmtrain.models.moe.dispatch import combine, sort_by_expert
         from mmtrain.parallel.comm import AllToAll
