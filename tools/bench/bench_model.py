@@ -71,7 +71,9 @@ def random_batch(cfg, batch: int, seq_len: int, visual_share: float, frame_hw: i
     return pack(rows, seq_len, P, merge=m)
 
 
-def train_step(model: MultimodalModel, opt: torch.optim.Optimizer, inputs: dict, dtype: torch.dtype) -> None:
+def train_step(model: MultimodalModel, opt: torch.optim.Optimizer, inputs: dict,
+               dtype: torch.dtype) -> torch.Tensor:
+    """One step (forward, CE + MoE aux, backward, AdamW, MoE bias update) -> its loss, detached."""
     dev = inputs["tokens_BS"].device
     with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
         out = model(**inputs)
@@ -82,6 +84,7 @@ def train_step(model: MultimodalModel, opt: torch.optim.Optimizer, inputs: dict,
     opt.step()
     opt.zero_grad(set_to_none=True)
     model.update_moe_bias()
+    return loss.detach()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,29 +24,18 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from mmtrain.config import load_config
 from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.parallel.parallelize import block_lists
 from mmtrain.run_config import RunConfig
-from tools.bench.bench_model import DTYPES, _sync, matmul_peak, random_batch
+from tools.bench.bench_model import DTYPES, _sync, matmul_peak, random_batch, train_step
 
 
 def step_loss(model: MultimodalModel, opt: torch.optim.Optimizer, inputs: dict, dtype: torch.dtype) -> float:
-    """One train step (forward, CE + MoE aux, backward, AdamW, MoE bias update) -> its loss."""
-    dev = inputs["tokens_BS"].device
-    with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
-        out = model(**inputs)
-        labels_BS = inputs["tokens_BS"].roll(-1, dims=1)
-        loss = F.cross_entropy(out.logits_BSV.flatten(0, 1).float(), labels_BS.flatten())
-        loss = loss + sum(out.aux_losses.values())
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    model.update_moe_bias()
-    return float(loss.detach())
+    """One train step (bench_model's) -> its loss."""
+    return float(train_step(model, opt, inputs, dtype))
 
 
 def with_backend(model: MultimodalModel, backend: str) -> MultimodalModel:
