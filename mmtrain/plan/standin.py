@@ -16,7 +16,14 @@ import contextlib
 
 import torch
 
-from mmtrain.models.attention.registry import ANY, BACKENDS, BOTH, Backend, register_backend
+from mmtrain.models.attention.registry import (
+    ANY,
+    BACKENDS,
+    BOTH,
+    Backend,
+    register_backend,
+    unregister_backend,
+)
 
 Tensor = torch.Tensor
 NAME = "plan"
@@ -31,10 +38,18 @@ def attend_standin(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta, cfg, se
     return flash(q_BHSD, k_BHSD, v_BHSD, is_causal=True)[0]
 
 
-def install() -> None:
-    """Register the stand-in (once per process)."""
-    if NAME not in BACKENDS:
+@contextlib.contextmanager
+def standin_backend():
+    """The stand-in registered as backend "plan" while a plan runs, and only then: it is not the
+    rule's function, so nothing else (a config, a test iterating over the backends) may pick it."""
+    mine = NAME not in BACKENDS
+    if mine:
         register_backend(Backend(NAME, attend_standin, layers=BOTH, devices=ANY, train=ANY))
+    try:
+        yield
+    finally:
+        if mine:
+            unregister_backend(NAME)
 
 
 def attend_context_standin(q_BHsD: Tensor, k_BKsD: Tensor, v_BKsD: Tensor, meta, cfg, sparse: bool,

@@ -100,6 +100,13 @@ def dims_for(cfg, gpus: int, rank: int = 0):
 
 def _run(cfg, opts: PlanOptions, fake) -> Trace:
     """Two steps (fake: on fake tensors; None: real ones), the second measured."""
+    from mmtrain.plan.standin import standin_backend
+
+    with standin_backend():
+        return _run_with_standin(cfg, opts, fake)
+
+
+def _run_with_standin(cfg, opts: PlanOptions, fake) -> Trace:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from mmtrain.plan.batch import plan_batch
@@ -149,9 +156,8 @@ class _Step:
         from mmtrain.parallel.context_parallel import context_shard
         from mmtrain.parallel.distributed import DistEnv
         from mmtrain.parallel.parallelize import prime_probes
-        from mmtrain.plan.standin import install, plan_dispatchers
+        from mmtrain.plan.standin import plan_dispatchers
 
-        install()
         prime_probes(torch.device("cpu"))  # grouped_mm's probe runs real tensors: before fake mode
         cfg.model.decoder.attention.backend = "plan"
         self.cfg, self.dims, self.fake = cfg, dims, fake
