@@ -81,8 +81,9 @@ def flops_table(rows: list[tuple[str, dict]]) -> list[str]:
     return out
 
 
-def tables() -> str:
-    rows = plans()
+def tables(rows: list[tuple[str, dict]] | None = None) -> str:
+    """The block between the markers, from `rows` (default: plan every row now)."""
+    rows = plans() if rows is None else rows
     return "\n".join([BEGIN, "Memory per GPU at the step's peak (GiB):", "", *memory_table(rows), "",
                       "Collectives per GPU and step, roofline step time and MFU on H100 specs:", "",
                       *traffic_table(rows), "", "FLOPs per GPU and step by component (share of the "
