@@ -96,13 +96,9 @@ class DecoderLayer(nn.Module):
         computed from them outside the layer, so a compiled layer (under FSDP too) returns them as
         outputs, one graph per flag value. With `context`, x and modality are this rank's chunk of
         every row, meta the whole rows'."""
-        qk = {}
-        if measured:
-            a_BSD, qk["q"], qk["k"] = self.attn(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF, meta, attn_cfg,
-                                                sparse=self.sparse, context=context, return_qk=True)
-        else:
-            a_BSD = self.attn(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF, meta, attn_cfg, sparse=self.sparse,
-                              context=context)
+        out = self.attn(self.attn_norm(x_BSD), cos_B1SF, sin_B1SF, meta, attn_cfg, sparse=self.sparse,
+                        context=context, return_qk=measured)
+        a_BSD, qk = (out[0], {"q": out[1], "k": out[2]}) if measured else (out, {})
         x_BSD = x_BSD + a_BSD
         if context is None:
             return *self.feed_forward(x_BSD, modality_BS, meta.real_BS), qk
