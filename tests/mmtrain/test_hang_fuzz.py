@@ -22,12 +22,12 @@ ALL_TERMS = ["loss.contrast.weight=1", "loss.token_weighting.strength=0.5"]  # n
 BASE = ["dist.timeout_s=15", "model.visual_head=true", "loss.visual_next.weight=1",
         "model.decoder.ffn_chunk=96", "model.decoder.attention.full_tile=16", "data.batch_size=2"]
 MESHES = {  # (ranks, overrides)
-    "fsdp2": (2, ALL_TERMS),
+    "fsdp2": (2, [*ALL_TERMS, "vision.balance=dp"]),  # media exchanged: a rank may hold none
     "hsdp2x2-ep2": (4, ["dist.dp_replicate=2", "dist.ep=2", "dist.activation_checkpointing=true",
                         *ALL_TERMS]),
     # ffn_chunk on without activation checkpointing: its chunks checkpoint, so the grouped_mm probe
     # must have run before the first one (a probe inside one broke its recompute: CheckpointError)
-    "cp2": (2, ["dist.cp=2"]),
+    "cp2": (2, ["dist.cp=2", "vision.balance=dp_cp"]),
     "fsdp2-cp2-ep2": (4, ["dist.cp=2", "dist.ep=2", "dist.activation_checkpointing=true"]),
 }
 
