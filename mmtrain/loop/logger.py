@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
 class RunLogger:
@@ -40,7 +40,7 @@ class RunLogger:
                 BarColumn(bar_width=24),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(elapsed_when_finished=True),
+                TimeElapsedColumn(),  # the time left is in the info text: steps and scheduled events (eta.py)
                 console=self.console,
                 transient=False,
             )

@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -39,6 +40,7 @@ from mmtrain.evaluation.captioning import CaptionEval
 from mmtrain.evaluation.diagnostics_callback import Diagnostics
 from mmtrain.evaluation.dist_eval import evaluate_ranks
 from mmtrain.evaluation.evaluate import EvalResult
+from mmtrain.loop.eta import Eta, format_eta
 from mmtrain.loop.faults import FaultInjection, faults_configured
 from mmtrain.loop.grad_parts import GradParts
 from mmtrain.loop.host_copy import batch_to_device
@@ -219,15 +221,18 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.cfg.train
         self.log = RunLogger(self.run_dir, cfg.steps, self.step, console=self.verbose, rank=self.env.rank)
+        self.eta = Eta(cfg.steps, {"eval": cfg.eval_every, "diagnostics": self.cfg.diagnostics.every,
+                                   "checkpoint": cfg.ckpt_every}, cfg.time_limit_min * 60)
         try:
             self._announce()
             if not self.state.evals:
-                self.evaluate()
-            self.callbacks.emit("on_train_start", self)
+                self._timed("eval", self.evaluate)
+            self._timed_diagnostics("on_train_start")
             while self.step < cfg.steps:
+                t_step = time.monotonic()
                 stats = self.train_step(self._batches())
                 self._log_step(stats)
-                self.callbacks.emit("on_step_end", self, stats)
+                events = self._timed_diagnostics("on_step_end", stats)
                 self._acknowledge(self.checkpointer.poll())  # a background save, once all ranks wrote it
                 if self.is_log_step(stats):
                     self._log_callback_scalars(stats)
@@ -235,13 +240,35 @@ class Trainer:
                     self.log.info(f"train.time_limit_min {cfg.time_limit_min:g} reached at step {self.step}")
                     break
                 if self.step < cfg.steps and _due(self.step, cfg.eval_every):
-                    self.evaluate()
+                    events += self._timed("eval", self.evaluate)[1]
                 if self.step < cfg.steps and _due(self.step, cfg.ckpt_every):
-                    self.save_checkpoint()
+                    events += self._timed("checkpoint", self.save_checkpoint)[1]
+                self.eta.step_done(time.monotonic() - t_step - events)
             return self._finish()
         finally:
             self.log.close()
             self.log = None
+
+    def _timed(self, kind: str, fn) -> tuple[Any, float]:
+        """Run a scheduled event (evaluation, checkpoint), timing it for the ETA; -> (its result, seconds)."""
+        t0 = time.monotonic()
+        out = fn()
+        seconds = time.monotonic() - t0
+        self.eta.event_done(kind, seconds)
+        return out, seconds
+
+    def _timed_diagnostics(self, hook: str, *args) -> float:
+        """Emit a callback hook; when the diagnostics pass ran in it, its time is an ETA event.
+        -> the seconds counted as an event (0.0 otherwise)."""
+        diag = self.callbacks.get(Diagnostics)
+        runs = len(diag.history) if diag is not None else 0
+        t0 = time.monotonic()
+        self.callbacks.emit(hook, self, *args)
+        if diag is None or len(diag.history) == runs:
+            return 0.0
+        seconds = time.monotonic() - t0
+        self.eta.event_done("diagnostics", seconds)
+        return seconds
 
     def _announce(self) -> None:
         log = self.log
@@ -257,9 +284,10 @@ class Trainer:
     def _finish(self) -> dict:
         """The last eval (unless this step had one), the final checkpoint, the summary."""
         if self.state.evals[-1]["step"] != self.step:
-            self.evaluate()
-        path = self.save_checkpoint(wait=True)
+            self._timed("eval", self.evaluate)
+        path, _ = self._timed("checkpoint", lambda: self.save_checkpoint(wait=True))
         summary = self.summary(path)
+        summary["wall_s"] = time.monotonic() - self._t_launch  # the end the ETA predicted (eta_check.py)
         self.callbacks.emit("on_train_end", self, summary)
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -372,6 +400,8 @@ class Trainer:
         self.log.record({"step": self.step, "loss": s.loss, "task_loss": s.task_loss, "task_acc": s.task_acc,
                          "weights": weights, **s.terms, "grad_norm": s.grad_norm,
                          "lr": lr, "skipped": s.skipped, "tokens": s.tokens, "step_s": s.step_s,
+                         "wall_s": time.monotonic() - self._t_launch,
+                         "eta_s": self.eta.remaining(self.step, time.monotonic() - self._t_launch),
                          "wait_s": s.data_wait_s, "task_tokens": s.task_tokens,
                          **({"mix": self._mix.weights()} if self._mix is not None else {}), **s.figures,
                          **parts})
@@ -397,7 +427,9 @@ class Trainer:
             w_info += " | mix " + " ".join(f"{k} {v:.2f}" for k, v in self._mix.weights().items())
         unit = "tok/s/dev" if self.env.world_size > 1 else "tok/s"
         tok_s = s.tokens_per_s_per_device(self.env.world_size)
-        return f"{losses}{w_info} | {tok_s:,.0f} {unit} | wait {s.wait_fraction():.0%}"
+        eta = format_eta(self.eta.remaining(self.step, time.monotonic() - self._t_launch))
+        line = f"{losses}{w_info} | {tok_s:,.0f} {unit} | wait {s.wait_fraction():.0%}"
+        return f"{line} | {eta}" if eta else line
 
     def _train_scalars(self, s: StepStats, weights: dict[str, float], lr: float) -> dict[str, float]:
         scalars = {f"train/loss_{t}": v for t, v in s.task_loss.items()}
