@@ -82,6 +82,11 @@ def print_summary(summary: dict, seconds: float | None = None) -> None:
         f"data wait {summary['data_wait_fraction']:.1%} of step time; "
         f"skipped steps {summary['skipped_steps']}; checkpoint {summary['checkpoint']}"
     )
+    spent = summary.get("time_s")
+    if spent and seconds:  # what the wall time went to (the ETA's events, mmtrain/loop/eta.py)
+        parts = {**spent, "start-up": seconds - summary.get("wall_s", seconds) + 0.0}
+        parts["other"] = seconds - sum(parts.values())
+        console.print("time: " + ", ".join(f"{k} {v:.0f} s ({v / seconds:.0%})" for k, v in parts.items()))
     sparse = {i: a for i, a in (summary.get("attention") or {}).items() if a["sparse"]}
     if sparse:
         kept = ", ".join(f"L{i} {a['kept_frac']:.0%}" for i, a in sparse.items())

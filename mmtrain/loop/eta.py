@@ -38,11 +38,13 @@ class Eta:
     every: dict[str, int]  # event -> its interval in steps (0: only the final one)
     time_limit_s: float = 0.0  # train.time_limit_min x 60; 0: none
     _steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    steps_s: float = 0.0  # all ordinary steps' wall time
     _events: dict[str, list[float]] = field(default_factory=dict)
 
     def step_done(self, seconds: float) -> None:
         """Wall time of one ordinary step: the step, its logging and callbacks, no scheduled event."""
         self._steps.append(seconds)
+        self.steps_s += seconds
 
     def event_done(self, kind: str, seconds: float) -> None:
         if kind not in EVENTS:
@@ -66,6 +68,11 @@ class Eta:
         end = step + steps_left
         events = sum(due_left(step, end, self.every.get(k, 0)) * self.event_s(k) for k in EVENTS)
         return steps_left * step_s + events
+
+
+    def totals(self) -> dict[str, float]:
+        """Seconds spent per event kind so far (the summary's time breakdown)."""
+        return {k: sum(self._events.get(k, [])) for k in EVENTS}
 
 
 def format_eta(seconds: float | None) -> str:

@@ -288,6 +288,7 @@ class Trainer:
         path, _ = self._timed("checkpoint", lambda: self.save_checkpoint(wait=True))
         summary = self.summary(path)
         summary["wall_s"] = time.monotonic() - self._t_launch  # the end the ETA predicted (eta_check.py)
+        summary["time_s"] = {"steps": self.eta.steps_s, **self.eta.totals()}  # where the wall time went
         self.callbacks.emit("on_train_end", self, summary)
         if self.env.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
