@@ -35,10 +35,15 @@ class MediaConfig:
     std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
     max_image_pixels: int = 40_000_000  # per image or video frame, from its headers (bombs); more: skipped
     max_source_frames: int = 100_000  # frames of a video, from its headers (decode time); more: skipped
+    # decoded clips kept per loader process, by content, least recently used out past this many MiB:
+    # a small corpus read for several epochs decodes each clip once (0: off; video decoding is most
+    # of a loader's CPU, which on a 2-core machine is the step's: docs/BENCHMARKS.md)
+    video_cache_mb: int = 0
 
     def __post_init__(self):
         check(self, "patch_size", "temporal_patch", "merge", "video_min_frames", "max_image_pixels",
               "max_source_frames", ge=1)
+        check(self, "video_cache_mb", ge=0)
         factor = self.patch_size * self.merge
         if self.min_pixels < factor * factor:
             raise ValueError(f"min_pixels: must be >= (patch_size*merge)^2 = {factor * factor} "

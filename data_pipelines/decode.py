@@ -6,10 +6,12 @@ Shapes: T frames, H/W pixels, 3 = RGB; frames are uint8.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
 import warnings
+from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
@@ -191,10 +193,68 @@ def _decode_pyav(data: bytes, media: MediaConfig, probe: _Probe, size: tuple[int
     return np.stack([kept[max((g for g in got if g <= i), default=got[0])] for i in idx])
 
 
+class ClipCache:
+    """Decoded clips by content: the bytes' blake2b plus the settings that shape the frames -> frames
+    (read-only), least recently used out past `budget` bytes. One per process (a loader worker's
+    own): the same clip read again, in a later epoch or another document, is not decoded again."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.size, self.hits, self.misses = budget, 0, 0, 0
+        self._clips: OrderedDict[tuple, np.ndarray] = OrderedDict()
+
+    @staticmethod
+    def key(data: bytes, media: MediaConfig) -> tuple:
+        return (hashlib.blake2b(data, digest_size=16).digest(), len(data), media.video_fps,
+                media.video_min_frames, media.video_max_frames, media.temporal_patch, media.min_pixels,
+                media.max_pixels, media.factor, media.max_image_pixels, media.max_source_frames)
+
+    def get(self, key: tuple) -> np.ndarray | None:
+        frames = self._clips.get(key)
+        if frames is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._clips.move_to_end(key)
+        return frames
+
+    def put(self, key: tuple, frames: np.ndarray) -> np.ndarray:
+        frames.flags.writeable = False  # shared by every later read: nobody may write into it
+        if frames.nbytes <= self.budget:
+            self._clips[key] = frames
+            self.size += frames.nbytes
+            while self.size > self.budget:
+                self.size -= self._clips.popitem(last=False)[1].nbytes
+        return frames
+
+
+_CLIP_CACHE: ClipCache | None = None
+
+
+def clip_cache(media: MediaConfig) -> ClipCache | None:
+    """This process's clip cache (None when media.video_cache_mb is 0); resized to the config's budget."""
+    global _CLIP_CACHE
+    budget = media.video_cache_mb * 2**20
+    if not budget:
+        return None
+    if _CLIP_CACHE is None or _CLIP_CACHE.budget != budget:
+        _CLIP_CACHE = ClipCache(budget)
+    return _CLIP_CACHE
+
+
 def decode_video(data: bytes, media: MediaConfig) -> np.ndarray:
-    """Bytes -> uint8 (T, H, W, 3), T a multiple of temporal_patch. Size and frame caps come from
-    the headers, before anything is decoded; at most the sampled frames are held, each at most
-    twice the largest resize target per side."""
+    """Bytes -> uint8 (T, H, W, 3), T a multiple of temporal_patch (read-only when it comes from the
+    clip cache, `media.video_cache_mb`). Skips are not cached: a bad clip is judged again."""
+    cache = clip_cache(media)
+    if cache is None:
+        return _decode_video(data, media)
+    key = cache.key(data, media)
+    frames = cache.get(key)
+    return frames if frames is not None else cache.put(key, _decode_video(data, media))
+
+
+def _decode_video(data: bytes, media: MediaConfig) -> np.ndarray:
+    """Size and frame caps come from the headers, before anything is decoded; at most the sampled
+    frames are held, each at most twice the largest resize target per side."""
     if not data:
         raise SkipSample(L.CORRUPT_VIDEO, "empty member")
     if b"\0" not in data[:4096]:  # text, not a container (and decord would echo it all to stderr)

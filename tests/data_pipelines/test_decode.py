@@ -152,3 +152,41 @@ def test_video_caps_come_from_the_headers_before_decoding(monkeypatch):
     assert out.shape[1:] == (16, 16, 3)  # decoded at twice the target per side, not 64 x 64
     big = decode_image(image_bytes(64, 64), small_media(max_pixels=8 * 8, min_pixels=8 * 8))
     assert big.shape == (16, 16, 3)
+
+
+def test_clip_cache_decodes_each_clip_once_and_returns_the_same_frames(monkeypatch):
+    import mmtrain.data_pipelines.decode as decode
+
+    calls = []
+    orig = decode._decode_video
+    monkeypatch.setattr(decode, "_decode_video", lambda d, m: calls.append(1) or orig(d, m))
+    monkeypatch.setattr(decode, "_CLIP_CACHE", None)
+    a = video_bytes(frames=8, values=[10 + 25 * t for t in range(8)])
+    b = video_bytes(frames=8, values=[200 - 20 * t for t in range(8)])
+    off = small_media(video_fps=4.0, video_min_frames=2, video_max_frames=4)
+    on = small_media(video_fps=4.0, video_min_frames=2, video_max_frames=4, video_cache_mb=1)
+    want_a, want_b = decode_video(a, off), decode_video(b, off)
+    assert len(calls) == 2 and decode._CLIP_CACHE is None  # off: nothing kept
+    got = [decode_video(x, on) for x in (a, b, a, b, a)]
+    assert len(calls) == 4  # a and b decoded once each
+    for g, w in zip(got, [want_a, want_b] * 3):
+        np.testing.assert_array_equal(g, w)
+    assert not got[2].flags.writeable  # a shared clip cannot be written into
+    other = small_media(video_fps=2.0, video_min_frames=2, video_max_frames=4, video_cache_mb=1)
+    assert decode_video(a, other).shape[0] == 2 and len(calls) == 5  # other settings: decoded again
+    with pytest.raises(SkipSample):  # a bad clip is judged every time, never cached
+        decode_video(b"\0" * 64, on)
+
+
+def test_clip_cache_drops_the_least_recently_used_past_its_budget():
+    from mmtrain.data_pipelines.decode import ClipCache
+
+    cache = ClipCache(budget=250)
+    clips = {k: np.zeros(100, np.uint8) for k in "abc"}
+    cache.put(("a",), clips["a"])
+    cache.put(("b",), clips["b"])
+    assert cache.get(("a",)) is clips["a"]  # a is now the most recent
+    cache.put(("c",), clips["c"])  # 300 > 250: b goes
+    assert cache.get(("b",)) is None and cache.get(("a",)) is not None and cache.size == 200
+    cache.put(("big",), np.zeros(300, np.uint8))  # larger than the budget: returned, not kept
+    assert cache.get(("big",)) is None and cache.size == 200

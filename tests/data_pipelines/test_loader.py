@@ -247,3 +247,27 @@ def test_set_weights_rejects_unknown_sources_and_bad_weights(tmp_path):
         loader.set_weights({"zzz": 1.0})
     with pytest.raises(ValueError, match="> 0"):
         loader.set_weights({"a": 0.0})
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_the_clip_cache_changes_no_batch_over_several_epochs(tmp_path, num_workers, monkeypatch):
+    """media.video_cache_mb: the same packed batches, epoch after epoch, as decoding every clip."""
+    from dp_shards import video_bytes
+
+    import mmtrain.data_pipelines.decode as decode
+    from mmtrain.data_pipelines.config import MediaConfig
+
+    monkeypatch.setattr(decode, "_CLIP_CACHE", None)
+    samples = [mixed_samples(8, tag=f"s{i}") for i in range(2)]
+    for j, s in enumerate(x for shard in samples for x in shard if "mp4" in x):  # each clip its own
+        s["mp4"] = video_bytes(6, 32, 32, values=[(40 * j + 30 * t) % 250 for t in range(6)])
+    shards = [write_tar(tmp_path / f"m{i}.tar", s) for i, s in enumerate(samples)]
+    batches = {}
+    for mb in (0, 4):
+        media = MediaConfig(**{**data_cfg().media.__dict__, "video_cache_mb": mb})
+        cfg = data_cfg(shards, seq_len=128, num_workers=num_workers, resample=True, media=media)
+        it = iter(build_loader(cfg, TOK, "train", 0, 1))
+        batches[mb] = [next(it) for _ in range(16)]  # 16 rows of ~16 documents: several epochs
+    assert all(_same(a, b) for a, b in zip(batches[0], batches[4]))
+    if num_workers == 0:  # in this process: the clips were decoded once each, then read back
+        assert decode._CLIP_CACHE.hits > decode._CLIP_CACHE.misses > 0
