@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.mmtrain-installed
+TRAIN_STAMP := $(VENV)/.mmtrain-train-installed
 DATA   ?= data/shapes
 CONFIG ?= configs/tiny.yaml
 RUN    ?= runs/tiny
@@ -10,24 +11,29 @@ TORCH_CPU := torch==2.13.0
 
 .PHONY: install data train test lint bench clean
 
-# A venv with mmtrain installed editable, with the [hf] and [eval] extras (transformers and
-# lm-evaluation-harness: the `export --hf` tests; ~50 s more on a fresh machine). A torch already
-# present (e.g. a CUDA build) is kept; otherwise the CPU wheel is installed first, so pip never
-# pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml setup.py
+# A venv with mmtrain installed editable. A torch already present (e.g. a CUDA build) is kept;
+# otherwise the CPU wheel is installed first, so pip never pulls a multi-GB CUDA build.
+# `make train` needs only the package itself; `make test` adds the [dev,hf,eval] extras (pytest and
+# ruff, transformers and lm-evaluation-harness for the `export --hf` tests: their tree is ~50 s more
+# of a fresh install, which a first training run should not wait for).
+$(TRAIN_STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_CPU)
+	$(BIN)/python -m pip install -q -e .
+	@touch $(TRAIN_STAMP)
+
+$(STAMP): $(TRAIN_STAMP)
 	$(BIN)/python -m pip install -q -e ".[dev,hf,eval]"
 	@touch $(STAMP)
 
 install: $(STAMP)
 
-$(DATA)/manifest.json: | $(STAMP)
+$(DATA)/manifest.json: | $(TRAIN_STAMP)
 	$(BIN)/mmtrain data synth --out $(DATA)
 
 data: $(DATA)/manifest.json
 
-train: $(STAMP) $(DATA)/manifest.json
+train: $(TRAIN_STAMP) $(DATA)/manifest.json
 	$(BIN)/mmtrain train $(CONFIG) --run-dir $(RUN)
 
 lint: $(STAMP)
