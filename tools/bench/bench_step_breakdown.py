@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="also time the compiled step")
+    ap.add_argument("--scale", action="store_true",
+                    help="also time the step at twice the batch: the size-independent part of a step "
+                         "(Python, dispatch, per-op set-up) is 2 t(B) - t(2B)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
     n = args.steps
@@ -122,6 +125,21 @@ def main(argv: list[str] | None = None) -> None:
               f"(matmul-class {ops['matmul-class s'] * 1e3:.0f} ms), between them (Python, dispatch, "
               f"hooks) {between * 1e3:.0f} ms = {between / eager['step']:.0%} of the step "
               f"({between / ops['ops'] * 1e6:.1f} us an op); the profiler's own cost is in 'inside'")
+        if args.scale:
+            big = build(args.config, [*args.overrides, f"data.batch_size={2 * trainer.cfg.data.batch_size}"],
+                        run_dir + "/2b")
+            it2 = iter(big.train_loader)
+            big_batches = [next(it2) for _ in range(args.warmup + 2 * n)]
+            phases(big, big_batches[:args.warmup], args.warmup)
+            t_b = [phases(trainer, batches[args.warmup:args.warmup + n], n)["step"]]
+            t_2b = [phases(big, big_batches[args.warmup:args.warmup + n], n)["step"]]
+            t_b.append(phases(trainer, batches[args.warmup + n:args.warmup + 2 * n], n)["step"])
+            t_2b.append(phases(big, big_batches[args.warmup + n:args.warmup + 2 * n], n)["step"])
+            tb, t2b = statistics.mean(t_b), statistics.mean(t_2b)
+            B = trainer.cfg.data.batch_size
+            print(f"\nbatch {B}: {tb * 1e3:.0f} ms, batch {2 * B}: "
+                  f"{t2b * 1e3:.0f} ms a step (alternating, 2 rounds) -> size-independent part "
+                  f"2 t(B) - t(2B) = {(2 * tb - t2b) * 1e3:.0f} ms = {(2 * tb - t2b) / tb:.0%} of the step")
         if args.compile:
             ctrainer = build(args.config, [*args.overrides, "dist.compile=true"], run_dir + "/c")
             t0 = time.perf_counter()
