@@ -67,7 +67,7 @@ class ParallelDims:
 
     def refuse_unimplemented(self) -> None:
         """The mesh keys that parse but have no implementation yet: one line naming the key."""
-        for key, size in (("tp", self.tp), ("pp", self.pp)):
+        for key, size in (("pp", self.pp),):
             if size > 1:
                 raise UserError(f"dist.{key}: {size} is not implemented yet (use dist.{key}: 1)")
 
@@ -85,6 +85,15 @@ class ParallelDims:
     @property
     def cp_rank(self) -> int:
         return self.rank // self.tp % self.cp
+
+    @property
+    def seq_rank(self) -> int:
+        """This rank's chunk of every row: (cp, tp) flattened (sequence parallelism splits a cp chunk)."""
+        return self.rank % (self.cp * self.tp)
+
+    @property
+    def seq_size(self) -> int:
+        return self.cp * self.tp
 
     @property
     def tp_rank(self) -> int:
@@ -113,9 +122,16 @@ class ParallelDims:
 
     # ----- meshes (built on first use: they need the process group) ------------------------------
     def dense_mesh(self, device_type: str):
-        """(dp_replicate, fsdp): FSDP2's mesh for every parameter that is not a routed expert."""
-        return self._mesh(device_type, "dense", (self.dp_replicate, self.dp_shard * self.cp),
-                          ("dp_replicate", "fsdp"))
+        """(dp_replicate, fsdp): FSDP2's mesh for every parameter that is not a routed expert. `fsdp`
+        includes tp: a tp rank multiplies by its slices of the gathered weights and holds distinct
+        tokens elsewhere (mmtrain/parallel/tensor_parallel.py)."""
+        return self._mesh(device_type, "dense", (self.dp_replicate, self.dp_shard * self.cp * self.tp),
+                          ("dp_replicate", "fsdp"), with_tp=False)
+
+    def seq_mesh(self, device_type: str):
+        """(dp_replicate, dp_shard, seq = cp x tp): a `seq` group splits the same rows between its ranks."""
+        return self._mesh(device_type, "seq", (self.dp_replicate, self.dp_shard, self.cp * self.tp),
+                          ("dp_replicate", "dp_shard", "seq"), with_tp=False)
 
     def expert_mesh(self, device_type: str):
         """(dp_replicate, efsdp, ep): `ep` shards the experts, the other two are their FSDP2 mesh.
@@ -142,9 +158,10 @@ class ParallelDims:
         assert self.pp > 1, "no pp mesh at pp = 1"
         return self._mesh(device_type, "pp", (self.dp_size * self.cp,), ("dp_cp",))["pp"]
 
-    def _mesh(self, device_type: str, name: str, sizes: tuple[int, ...], names: tuple[str, ...]):
-        """The world unflattened to (pp, *names, tp), pp and tp only when > 1, sliced to `names` (to
-        the full mesh for `tp` / `pp`)."""
+    def _mesh(self, device_type: str, name: str, sizes: tuple[int, ...], names: tuple[str, ...],
+              with_tp: bool = True):
+        """The world unflattened to (pp, *names, tp), pp and tp only when > 1 (tp: only `with_tp`,
+        else `sizes` include it), sliced to `names` (to the full mesh for `tp` / `pp`)."""
         if name not in self._meshes:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -152,7 +169,7 @@ class ParallelDims:
                 self._meshes["world"] = init_device_mesh(device_type, (self.world_size,),
                                                          mesh_dim_names=("world",))
             pp = ((self.pp,), ("pp",)) if self.pp > 1 else ((), ())
-            tp = ((self.tp,), ("tp",)) if self.tp > 1 else ((), ())
+            tp = ((self.tp,), ("tp",)) if self.tp > 1 and with_tp else ((), ())
             full = self._meshes["world"]._unflatten(0, pp[0] + sizes + tp[0], pp[1] + names + tp[1])
             self._meshes[name] = full if name in ("tp", "pp") or full.ndim == len(names) else full[names]
         return self._meshes[name]

@@ -77,7 +77,7 @@ def test_bad_values_name_the_key(key):
         DistConfig(**{key: 0})
 
 
-@pytest.mark.parametrize("key", ["tp", "pp"])
+@pytest.mark.parametrize("key", ["pp"])
 def test_a_mesh_dim_without_an_implementation_is_refused_in_one_line(key):
     d = ParallelDims.from_config(DistConfig(**{key: 2}), 4)
     with pytest.raises(UserError, match=f"dist.{key}"):
