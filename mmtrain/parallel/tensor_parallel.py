@@ -58,11 +58,25 @@ Tensor = torch.Tensor
 
 
 class TPComm:
-    """The tp group's activation collectives (every rank calls each in the same order)."""
+    """The tp group's activation collectives (every rank calls each in the same order).
+
+    `whole`: the layer's input is whole rows, the same on every tp rank (evaluation and
+    diagnostics forwards run without the row shard): then a split layer enters by a copy (backward:
+    all-reduce) and leaves by an all-reduce (backward: a copy), Megatron's f and g. Set by each
+    layer's attention from its `context`, read by the same layer's FFN."""
 
     def __init__(self, group: dist.ProcessGroup, traffic: Traffic | None = None) -> None:
         self.group, self.traffic = group, traffic
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.whole = False
+
+    def enter(self, x: Tensor, dim: int) -> Tensor:
+        """Into a split layer: this rank's chunk gathered along `dim`, or whole rows copied."""
+        return _Copy.apply(x, self) if self.whole else self.gather(x, dim)
+
+    def leave(self, x: Tensor, dim: int) -> Tensor:
+        """Out of a split layer: the ranks' partial sums reduced (and scattered along `dim`)."""
+        return _Reduce.apply(x, self) if self.whole else self.reduce_scatter(x, dim)
 
     def count(self, kind: str, x: Tensor) -> None:
         if self.traffic is not None:
@@ -115,6 +129,34 @@ class _ReduceScatter(torch.autograd.Function):
         return _all_gather(g, ctx.dim, ctx.comm, "tp_all_gather"), None, None
 
 
+def _all_reduce(x: Tensor, comm: TPComm) -> Tensor:
+    comm.count("tp_all_reduce", x)
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=comm.group)
+    return x
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: TPComm) -> Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _all_reduce(g, ctx.comm), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: TPComm) -> Tensor:
+        return _all_reduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g, None
+
+
 # ----- the slices a tp rank multiplies by -------------------------------------------------------
 def _rows_linear(linear: nn.Linear, spans: list[tuple[int, int]], x: Tensor) -> Tensor:
     """x @ W[rows].T for the row spans (start, length): a column-parallel slice of a fused weight.
@@ -140,12 +182,19 @@ def _split_attention(attn: SelfAttention, comm: TPComm, cp: ContextShard | None)
 
     def forward(x_BsD, cos_B1sF, sin_B1sF, meta, cfg, sparse=False, capture=None, stats=None,
                 context=None, return_qk=False):
-        if capture is not None or stats is not None or return_qk:
-            raise ValueError("attend: capture and stats need whole rows (run without dist.tp)")
-        with torch.no_grad():  # the rotary of the gathered chunk (no parameters behind it)
-            cos, sin = (_all_gather(c, 2, comm, "tp_rotary_all_gather") for c in (cos_B1sF, sin_B1sF))
-        o_BSD = inner(comm.gather(x_BsD, 1), cos, sin, meta, cfg, sparse=sparse, context=cp)
-        return comm.reduce_scatter(o_BSD, 1)
+        if capture is not None or stats is not None:  # (the decoder measures from return_qk)
+            raise ValueError("attend: capture and stats need all heads (run without dist.tp)")
+        comm.whole = context is None  # whole rows (evaluation): no chunk to gather, no cp split
+        cos, sin = cos_B1sF, sin_B1sF
+        if not comm.whole:
+            with torch.no_grad():  # the rotary of the gathered chunk (no parameters behind it)
+                cos, sin = (_all_gather(c, 2, comm, "tp_rotary_all_gather") for c in (cos, sin))
+        out = inner(comm.enter(x_BsD, 1), cos, sin, meta, cfg, sparse=sparse,
+                    context=None if comm.whole else cp, return_qk=return_qk)
+        if not return_qk:
+            return comm.leave(out, 1)
+        # measured (whole rows only: the decoder refuses it under a row shard): every head's q, k
+        return comm.leave(out[0], 1), *(_all_gather(t, 1, comm, "tp_qk_all_gather") for t in out[1:])
 
     attn.forward = forward
 
@@ -156,9 +205,9 @@ def _split_swiglu(ffn: SwiGLU, comm: TPComm) -> None:
     f = F2 // 2 // P
 
     def forward(x_TD: Tensor) -> Tensor:
-        x_tD = comm.gather(x_TD, 0)
+        x_tD = comm.enter(x_TD, 0)
         h_tF = swiglu(_rows_linear(ffn.w_in, [(t * f, f), (F2 // 2 + t * f, f)], x_tD))
-        return comm.reduce_scatter(_cols_linear(ffn.w_out, t * f, f, h_tF), 0)
+        return comm.leave(_cols_linear(ffn.w_out, t * f, f, h_tF), 0)
 
     ffn.forward = forward
 
@@ -177,6 +226,10 @@ def check_tp(cfg: RunConfig, dims: ParallelDims) -> None:
         (dims.ep == 1, "dist.ep: expert parallelism with dist.tp > 1 is not implemented (use dist.ep: 1)"),
         (not cfg.dist.compile, "dist.compile: not with dist.tp > 1 (the tp collectives are not traced yet)"),
         (cfg.vision.balance == "none", "vision.balance: not with dist.tp > 1 (use vision.balance: none)"),
+        # as under cp: these add whole-row forwards of their own to the training step
+        (not cfg.loss.token_weighting.strength,
+         "loss.token_weighting: not with dist.tp > 1 (it takes whole-row forwards of its own)"),
+        (not cfg.loss.contrast.weight, "loss.contrast: not with dist.tp > 1 (its copies are whole rows)"),
     ]
     for ok, message in rules:
         if not ok:
