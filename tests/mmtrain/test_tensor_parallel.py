@@ -29,6 +29,9 @@ MESHES = {  # (ranks, rows, overrides)
     "tp4": (4, 2, ["dist.tp=4", *HEADS[4]]),
     "fsdp2-tp2": (4, 2, ["dist.tp=2", *HEADS[2]]),
     "tp2-cp2": (4, 2, ["dist.tp=2", "dist.cp=2", *HEADS[2], *TILE]),
+    # the recompute reissues the tp collectives; accumulation defers FSDP's (tp-summing) reduce
+    "tp2-ac-accum": (2, 2, ["dist.tp=2", "dist.activation_checkpointing=true", "train.grad_accum=2",
+                            *HEADS[2]]),
 }
 
 
@@ -56,7 +59,7 @@ def test_tensor_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
 
 
 @SLOW
-@pytest.mark.parametrize("mesh", ["tp4", "fsdp2-tp2", "tp2-cp2"])
+@pytest.mark.parametrize("mesh", ["tp4", "fsdp2-tp2", "tp2-cp2", "tp2-ac-accum"])
 def test_tensor_parallel_meshes_match_one_process(raw_for, tmp_path, mesh):
     _check(*_parity(raw_for, tmp_path, mesh))
 
@@ -88,7 +91,7 @@ def test_mmtrain_under_torchrun_with_tp2_runs_evaluation_diagnostics_and_caption
     config = write_config(make_raw, run, [
         "train.steps=4", "train.ckpt_every=0", "diagnostics.every=2", "diagnostics.batches=1",
         "diagnostics.warmup_steps=0", "loss.balancer.kind=reliance_guard", "model.vision.ssl_head=true",
-        "loss.visual_ssl.weight=0.5", "captions.images=2", "captions.videos=1", "train.eval_batches=1",
+        "loss.visual_ssl.weight=0.5", "captions.images=2", "captions.videos=1", "train.eval_batches=0",
         "diagnostics.probe_media=3", *HEADS[2]])
     mmtrain = str(Path(sys.executable).parent / "mmtrain")
     launch(["--no-python", mmtrain, "train", str(config), "--quiet", "--set", "dist.tp=2"], nproc=2)
