@@ -101,7 +101,7 @@ class Trainer:
         self._mix = self.callbacks.get(MixController)
         self.objective = Objective(cfg, self.model, self.balancer, env=self.env, device=self.device,
                                    raw_model=self.raw_model, dp_rank=self.dims.dp_rank,
-                                   cp_rank=self.dims.cp_rank, context=self.context, autocast=self.autocast)
+                                   cp_rank=self.dims.seq_rank, context=self.context, autocast=self.autocast)
         self._val_cache: list[PackedBatch] | None = None
         self.verbose = verbose
         self.log: RunLogger | None = None  # open during fit()
@@ -119,7 +119,7 @@ class Trainer:
         """What the config asks for besides the loop (fault injection comes last, see fault_callbacks)."""
         cfg = self.cfg
         out: list[Callback] = [self.balancer, Throughput(peak_tflops(self.device, cfg.train.peak_tflops))]
-        if self.dims.ep > 1 or self.dims.cp > 1 or cfg.vision.balance != "none":
+        if self.dims.ep > 1 or self.dims.seq_size > 1 or cfg.vision.balance != "none":
             out.append(self.traffic)
         if self.raw_model.encode_media is not None:  # the vision balance's cost spread
             out.append(self.raw_model.encode_media)

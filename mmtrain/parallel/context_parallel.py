@@ -99,10 +99,13 @@ class _Sum(torch.autograd.Function):
 
 
 def context_shard(dims, device: torch.device, seq_len: int, traffic: Traffic | None) -> ContextShard | None:
-    """This rank's chunk of every row and its group's collectives; None without context parallelism."""
-    if dims.cp == 1:
+    """This rank's chunk of every row and its group's collectives; None without context parallelism.
+    Under tensor parallelism the chunk is the (cp, tp) group's: sequence parallelism
+    (mmtrain/parallel/tensor_parallel.py) splits each cp chunk between the tp ranks."""
+    if dims.seq_size == 1:
         return None
-    return ContextShard(CPComm(dims.cp_mesh(device.type)["cp"].get_group(), traffic), seq_len)
+    mesh = dims.cp_mesh(device.type)["cp"] if dims.tp == 1 else dims.seq_mesh(device.type)["seq"]
+    return ContextShard(CPComm(mesh.get_group(), traffic), seq_len)
 
 
 def local_targets(batch: PackedBatch, shard: ContextShard) -> PackedBatch:

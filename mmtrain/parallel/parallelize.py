@@ -36,6 +36,7 @@ from mmtrain.parallel.comm import Traffic
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv
 from mmtrain.parallel.expert_parallel import shard_experts
+from mmtrain.parallel.tensor_parallel import apply_tp, check_tp
 
 if TYPE_CHECKING:
     from mmtrain.run_config import RunConfig
@@ -54,6 +55,7 @@ def build_model(cfg: RunConfig, env: DistEnv, device: torch.device, dims: Parall
     seed and FSDP keeps its shard (on CPU, DTensor random init would repeat one shard's values).
     """
     dims = dims or ParallelDims.from_config(cfg.dist, env.world_size, env.rank)
+    dims.refuse_unimplemented()
     fsdp = env.distributed and cfg.dist.strategy == "fsdp"
     meta = fsdp and cfg.dist.meta_init and device.type == "cuda"
     with torch.device("meta") if meta else contextlib.nullcontext():
@@ -61,6 +63,9 @@ def build_model(cfg: RunConfig, env: DistEnv, device: torch.device, dims: Parall
     if not fsdp:
         model = model.to(device)
     _apply_checkpointing_and_compile(model, cfg, device)
+    if dims.tp > 1:
+        check_tp(cfg, dims)
+        apply_tp(model, dims, device, cfg.data.seq_len, traffic)
     if fsdp:
         _apply_fsdp(model, cfg, dims, device, traffic)
         if meta:

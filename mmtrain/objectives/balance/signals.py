@@ -6,7 +6,7 @@
     mismatch_gap    diagnostics: loss with another document's media - with its own
 
 `check_signals(cfg, signals, who)` is RunConfig's one check for any declaring component: a
-diagnostics signal needs `diagnostics.every`; a whole-row signal does not combine with `dist.cp`.
+diagnostics signal needs `diagnostics.every`; a whole-row signal does not combine with `dist.cp` or `dist.tp`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def check_signals(cfg: Any, signals: tuple[str, ...], who: str) -> None:
             raise ValueError(f"{who} reads the {name} of the diagnostics: set diagnostics.every > 0")
         if sig.needs and not getattr(cfg.diagnostics, sig.needs):
             raise ValueError(f"{who} reads the {name}: set diagnostics.{sig.needs}: true")
-        if sig.whole_rows and cfg.dist.cp > 1:
-            raise ValueError(f"dist.cp: > 1 does not combine with {who} (its {name} takes whole-row "
-                             "forwards)")
+        for key in ("cp", "tp"):  # both split every row between ranks
+            if sig.whole_rows and getattr(cfg.dist, key) > 1:
+                raise ValueError(f"dist.{key}: > 1 does not combine with {who} (its {name} takes "
+                                 "whole-row forwards)")
