@@ -17,10 +17,12 @@ class DistConfig:
     only `activation_checkpointing` and `compile`."""
 
     strategy: Literal["fsdp", "ddp"] = "fsdp"  # fsdp: FSDP2 fully_shard per vision block / decoder layer
-    # The mesh (mmtrain/parallel/dims.py): dp_replicate x dp_shard x cp = the world size.
+    # The mesh (mmtrain/parallel/dims.py): pp x dp_replicate x dp_shard x cp x tp = the world size.
     dp_replicate: int = 1  # HSDP: replicas of the sharded model (e.g. one per node); ddp: the world
     dp_shard: int = -1  # ranks each replica shards over; -1: the rest of the world
     cp: int = 1  # context parallelism: ranks that split every row between them
+    tp: int = 1  # tensor parallelism: ranks that split every layer's heads / FFN width (innermost)
+    pp: int = 1  # pipeline parallelism: stages, each a slice of the layers (outermost)
     ep: int = 1  # expert parallelism: ranks that split each MoE layer's routed experts (from dp_shard x cp)
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_s: float = 600.0  # collective timeout: a dead or stuck rank ends the job instead of a hang
@@ -35,6 +37,6 @@ class DistConfig:
     def __post_init__(self):
         check(self, "timeout_s", gt=0)
         check(self, "compile_backend", choices=("inductor", "aot_eager"))
-        check(self, "dp_replicate", "cp", "ep", ge=1)
+        check(self, "dp_replicate", "cp", "tp", "pp", "ep", ge=1)
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"dp_shard: must be >= 1 or -1 (the rest of the world) (got {self.dp_shard})")

@@ -1,15 +1,19 @@
 """The device mesh, built once from `dist.*`: who shards, who replicates, who holds which experts.
 
-    world ranks, row-major:  dp_replicate x dp_shard x cp
+    world ranks, row-major:  pp x dp_replicate x dp_shard x cp x tp   (torchtitan's order: tp
+                             innermost, so a tp group is neighbouring ranks, one node's fast links)
     dense mesh:   (dp_replicate, fsdp = dp_shard * cp)    FSDP2 of every non-expert parameter
                                                           (HSDP when dp_replicate > 1)
     expert mesh:  (dp_replicate, efsdp, ep)               ep borrows ranks from dp_shard * cp
                                                           (torchtitan's way): routed experts are
                                                           Shard(0) over ep, FSDP2 over the rest
-    data:         dp rank = rank // cp of dp_replicate * dp_shard; the ranks of a cp group read
-                  the same rows
+    tp mesh:      the ranks that split every layer's heads / FFN width (mmtrain/parallel/tensor_parallel.py)
+    pp mesh:      the pipeline stages
+    data:         dp rank = (rank // (cp * tp)) % (dp_replicate * dp_shard); the ranks of one cp,
+                  tp or pp group read the same rows
 
-Both meshes are unflattened from one world mesh, so FSDP2 accepts an expert weight that is a
+Every mesh is unflattened from one world mesh (with its pp and tp dims when they are > 1, then
+sliced to the named dims), so FSDP2 accepts an expert weight that is a
 DTensor on `ep` under its own (dp_replicate, efsdp) mesh. One process: sizes 1, no mesh at all.
 The trainer, the loader, the checkpoint and the evaluators all read this one object.
 """
@@ -30,6 +34,8 @@ class ParallelDims:
     ep: int
     world_size: int
     rank: int = 0
+    tp: int = 1
+    pp: int = 1
     _meshes: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -39,23 +45,31 @@ class ParallelDims:
         if world_size == 1:
             return cls(1, 1, 1, 1, 1, rank)
         if cfg.strategy == "ddp":
-            if cfg.dp_shard not in (-1, 1) or cfg.cp != 1 or cfg.ep != 1:
-                raise UserError("dist.strategy: ddp replicates the whole model; dist.dp_shard, dist.cp and "
-                                f"dist.ep need fsdp (got {cfg.dp_shard}, {cfg.cp}, {cfg.ep})")
+            if cfg.dp_shard not in (-1, 1) or (cfg.cp, cfg.ep, cfg.tp, cfg.pp) != (1, 1, 1, 1):
+                raise UserError("dist.strategy: ddp replicates the whole model; dist.dp_shard, dist.cp, "
+                                "dist.ep, dist.tp and dist.pp need fsdp (got "
+                                f"{cfg.dp_shard}, {cfg.cp}, {cfg.ep}, {cfg.tp}, {cfg.pp})")
             if cfg.dp_replicate not in (1, world_size):
                 raise UserError(f"dist.dp_replicate: ddp replicates over the whole world {world_size} "
                                 f"(got {cfg.dp_replicate})")
             return cls(world_size, 1, 1, 1, world_size, rank)
-        rest, dp_shard = cfg.dp_replicate * cfg.cp, cfg.dp_shard
+        rest, dp_shard = cfg.pp * cfg.dp_replicate * cfg.cp * cfg.tp, cfg.dp_shard
         if dp_shard == -1:
             dp_shard = world_size // rest if world_size % rest == 0 else 0
-        if cfg.dp_replicate * dp_shard * cfg.cp != world_size:
-            raise UserError(f"dist.dp_replicate x dist.dp_shard x dist.cp must equal the world size "
-                            f"{world_size} (got {cfg.dp_replicate} x {cfg.dp_shard} x {cfg.cp})")
+        if rest * dp_shard != world_size:
+            raise UserError(f"dist.pp x dist.dp_replicate x dist.dp_shard x dist.cp x dist.tp must equal the "
+                            f"world size {world_size} (got {cfg.pp} x {cfg.dp_replicate} x {cfg.dp_shard} x "
+                            f"{cfg.cp} x {cfg.tp})")
         if (dp_shard * cfg.cp) % cfg.ep:
             raise UserError(f"dist.ep: must divide dist.dp_shard x dist.cp = {dp_shard * cfg.cp} "
                             f"(got {cfg.ep})")
-        return cls(cfg.dp_replicate, dp_shard, cfg.cp, cfg.ep, world_size, rank)
+        return cls(cfg.dp_replicate, dp_shard, cfg.cp, cfg.ep, world_size, rank, cfg.tp, cfg.pp)
+
+    def refuse_unimplemented(self) -> None:
+        """The mesh keys that parse but have no implementation yet: one line naming the key."""
+        for key, size in (("tp", self.tp), ("pp", self.pp)):
+            if size > 1:
+                raise UserError(f"dist.{key}: {size} is not implemented yet (use dist.{key}: 1)")
 
     # ----- sizes and this rank's coordinates ---------------------------------------------------
     @property
@@ -65,11 +79,24 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.cp
+        """The data slot: the ranks of one cp, tp or pp group share it (they read the same rows)."""
+        return self.rank // (self.cp * self.tp) % self.dp_size
 
     @property
     def cp_rank(self) -> int:
-        return self.rank % self.cp
+        return self.rank // self.tp % self.cp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.world_size // self.pp)
+
+    def rank_of(self, dp: int, cp: int = 0, tp: int = 0, pp: int = 0) -> int:
+        """The world rank at these coordinates (dp: dp_replicate x dp_shard flattened)."""
+        return ((pp * self.dp_size + dp) * self.cp + cp) * self.tp + tp
 
     @property
     def efsdp(self) -> int:
@@ -80,8 +107,9 @@ class ParallelDims:
         return self.dp_shard * self.cp > 1
 
     def describe(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in (("tp", self.tp), ("pp", self.pp)) if v > 1)
         return (f"mesh dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} "
-                f"ep={self.ep} (world {self.world_size})")
+                f"ep={self.ep}{extra} (world {self.world_size})")
 
     # ----- meshes (built on first use: they need the process group) ------------------------------
     def dense_mesh(self, device_type: str):
@@ -104,12 +132,27 @@ class ParallelDims:
         return self._mesh(device_type, "cp", (self.dp_replicate, self.dp_shard, self.cp),
                           ("dp_replicate", "dp_shard", "cp"))
 
+    def tp_mesh(self, device_type: str):
+        """(tp,): the ranks that split every layer's heads and FFN width (tp > 1)."""
+        assert self.tp > 1, "no tp mesh at tp = 1"
+        return self._mesh(device_type, "tp", (self.dp_size * self.cp,), ("dp_cp",))["tp"]
+
+    def pp_mesh(self, device_type: str):
+        """(pp,): the pipeline stages that hold the same data slot and tp coordinate (pp > 1)."""
+        assert self.pp > 1, "no pp mesh at pp = 1"
+        return self._mesh(device_type, "pp", (self.dp_size * self.cp,), ("dp_cp",))["pp"]
+
     def _mesh(self, device_type: str, name: str, sizes: tuple[int, ...], names: tuple[str, ...]):
+        """The world unflattened to (pp, *names, tp), pp and tp only when > 1, sliced to `names` (to
+        the full mesh for `tp` / `pp`)."""
         if name not in self._meshes:
             from torch.distributed.device_mesh import init_device_mesh
 
             if "world" not in self._meshes:
                 self._meshes["world"] = init_device_mesh(device_type, (self.world_size,),
                                                          mesh_dim_names=("world",))
-            self._meshes[name] = self._meshes["world"]._unflatten(0, sizes, names)
+            pp = ((self.pp,), ("pp",)) if self.pp > 1 else ((), ())
+            tp = ((self.tp,), ("tp",)) if self.tp > 1 else ((), ())
+            full = self._meshes["world"]._unflatten(0, pp[0] + sizes + tp[0], pp[1] + names + tp[1])
+            self._meshes[name] = full if name in ("tp", "pp") or full.ndim == len(names) else full[names]
         return self._meshes[name]

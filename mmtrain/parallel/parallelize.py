@@ -54,6 +54,7 @@ def build_model(cfg: RunConfig, env: DistEnv, device: torch.device, dims: Parall
     seed and FSDP keeps its shard (on CPU, DTensor random init would repeat one shard's values).
     """
     dims = dims or ParallelDims.from_config(cfg.dist, env.world_size, env.rank)
+    dims.refuse_unimplemented()
     fsdp = env.distributed and cfg.dist.strategy == "fsdp"
     meta = fsdp and cfg.dist.meta_init and device.type == "cuda"
     with torch.device("meta") if meta else contextlib.nullcontext():

@@ -148,8 +148,7 @@ def balance_group(kind: str, dims) -> tuple[dist.ProcessGroup | None, int]:
         return dist.group.WORLD, dims.cp
     if dims.cp == 1:
         return (dist.group.WORLD, 1) if dims.dp_size > 1 else (None, 1)
-    groups = [dist.new_group([r for r in range(dims.world_size) if r % dims.cp == c])
-              for c in range(dims.cp)]
+    groups = [dist.new_group([dims.rank_of(dp, c) for dp in range(dims.dp_size)]) for c in range(dims.cp)]
     return (groups[dims.cp_rank], 1) if dims.dp_size > 1 else (None, 1)
 
 

@@ -90,6 +90,7 @@ def dims_for(cfg, gpus: int, rank: int = 0):
     from mmtrain.parallel.dims import ParallelDims
 
     dims = ParallelDims.from_config(cfg.dist, gpus, rank)
+    dims.refuse_unimplemented()
     if dims.ep > 1 and cfg.model.decoder.moe is None:
         raise UserError("dist.ep: > 1 needs MoE layers (model.decoder.moe)")
     if dims.ep > 1 and cfg.model.decoder.moe.n_routed % dims.ep:
