@@ -1,0 +1,165 @@
+"""Pipeline parallelism (mmtrain/parallel/pipeline.py, mmtrain/loop/pipeline_step.py).
+
+The stages chained in one process give the model's forward; the split minimises the largest stage
+cost; and over gloo, PP ranks under a named schedule give one process's losses, gradient norms and
+MoE expert biases on the same rows (rows with images, video and interleaved documents, sparse layers
+that select, MoE). PP(2) x 1F1B runs in CI; the other schedules and PP(4) with MMTRAIN_SLOW_TESTS=1.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from conftest import tiny_config, tiny_raw
+from dist_runs import launch
+
+from mmtrain.config import apply_override
+from mmtrain.errors import UserError
+from mmtrain.models.multimodal import ModelConfig, MultimodalModel
+from mmtrain.models.testing import IMAGE, VIDEO, pack, random_doc
+from mmtrain.parallel.pipeline import (
+    AUX_NAMES,
+    StageModel,
+    schedule_class,
+    split_layers,
+    stage_costs,
+    stage_ids,
+)
+
+SLOW = os.environ.get("MMTRAIN_SLOW_TESTS") == "1"
+WORKER = "tests/mmtrain/pipeline_worker.py"
+
+
+def _model(n_layers: int = 4) -> MultimodalModel:
+    from mmtrain.models.attention import AttentionConfig
+    from mmtrain.models.decoder import DecoderConfig
+    from mmtrain.models.moe import MoEConfig
+    from mmtrain.models.vision import VisionConfig
+
+    torch.manual_seed(0)
+    att = AttentionConfig(block_size=4, window=4, top_k=1, backend="dense")
+    dec = DecoderConfig(vocab_size=64, dim=32, n_layers=n_layers, n_heads=2, n_kv_heads=1, ffn_dim=48,
+                        mrope_sections=(2, 3, 3), layer_layout="FS", attention=att,
+                        moe=MoEConfig(n_routed=4, top_k=2, expert_dim=16, first_dense_layers=1))
+    return MultimodalModel(ModelConfig(VisionConfig(dim=16, depth=1, n_heads=2), dec))
+
+
+def _inputs(model: MultimodalModel) -> dict:
+    torch.manual_seed(1)
+    P = model.cfg.vision.patch_dim
+    rows = [[random_doc(64, P, 10, ((IMAGE, (1, 4, 4)),)), random_doc(64, P, 6)],
+            [random_doc(64, P, 8, ((VIDEO, (2, 4, 4)), (IMAGE, (1, 4, 4))))]]
+    return pack(rows, 96, P, merge=model.cfg.vision.merge)
+
+
+def test_stages_chained_in_one_process_give_the_models_forward():
+    model = _model(4)
+    inputs = _inputs(model)
+    out = model(**inputs)
+    ranges = split_layers(stage_costs(model, 96), 3)
+    parts = [StageModel(copy.deepcopy(model), s, 3, r) for s, r in enumerate(ranges)]
+    x, aux = inputs["tokens_BS"], None
+    for part in parts:
+        x, aux = part(x, aux, **inputs)
+    torch.testing.assert_close(x, out.hidden_BSD, rtol=1e-5, atol=1e-6)
+    for i, name in enumerate(AUX_NAMES):
+        torch.testing.assert_close(aux[i], out.aux_losses[name], rtol=1e-5, atol=1e-7)
+    # every parameter is on exactly one stage, under the full model's name
+    names = [n for p in parts for n, _ in p.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters() if not n.startswith("visual_head"))
+
+
+def test_split_minimises_the_largest_stage_and_counts_the_vision_encoder():
+    model = _model(8)
+    costs = stage_costs(model, 96)
+    for n in (2, 3, 4):
+        best = max(_stage_loads(costs, split_layers(costs, n)))
+        for cuts in itertools.combinations(range(1, 8), n - 1):  # every contiguous split
+            bounds = [0, *cuts, 8]
+            ranges = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+            assert best <= max(_stage_loads(costs, ranges)) + 1e-9
+    heavy = {**costs, "vision": 3 * max(costs["layers"])}
+    assert len(split_layers(heavy, 2)[0]) < len(split_layers({**costs, "vision": 0.0}, 2)[0])
+
+
+def _stage_loads(costs: dict, ranges: list[range]) -> list[float]:
+    loads = [sum(costs["layers"][i] for i in r) for r in ranges]
+    loads[0] += costs["vision"]
+    loads[-1] += costs["head"]
+    return loads
+
+
+@pytest.mark.parametrize("name,pp", [("1F1B", 2), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4),
+                                      ("ZBVZeroBubble", 2), ("DualPipeV", 2)])
+def test_every_stage_runs_on_exactly_one_rank(name, pp):
+    per_rank = [stage_ids(name, r, pp) for r in range(pp)]
+    flat = sorted(s for ids in per_rank for s in ids)
+    assert flat == list(range(len(flat)))
+    if name in ("ZBVZeroBubble", "DualPipeV"):  # V: the first and last stage on rank 0
+        assert 0 in per_rank[0] and len(flat) - 1 in per_rank[0]
+
+
+def test_bad_schedule_names_and_splits_are_one_line_errors():
+    with pytest.raises(UserError, match="dist.pp_schedule"):
+        schedule_class("1f1b-fast")
+    with pytest.raises(UserError, match="dist.pp"):
+        split_layers(stage_costs(_model(2), 96), 3)
+
+
+def _config_file(corpus, tmp_path, overrides) -> str:
+    raw = tiny_raw(corpus, tmp_path / "run")
+    for item in ["train.grad_accum=4", *overrides]:
+        apply_override(raw, item)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+CASES = [("1F1B", 2, 4)] + ([("Interleaved1F1B", 2, 4), ("ZBVZeroBubble", 2, 4), ("DualPipeV", 2, 4),
+                             ("Interleaved1F1B", 4, 8)] if SLOW else [])
+
+
+@pytest.mark.parametrize("schedule,pp,layers", CASES)
+def test_pipeline_matches_one_process(corpus, tmp_path, schedule, pp, layers):
+    cfg = _config_file(corpus, tmp_path, [f"model.decoder.n_layers={layers}"])
+    out = tmp_path / "out.json"
+    launch([WORKER, cfg, str(out), schedule, "5"], nproc=pp, timeout=600)
+    got = json.loads(out.read_text())
+    assert got["media"] > 0 and got["video"] > 0  # images and video reach stage 0
+    for ref, pipe in zip(got["ref"], got["pp"], strict=True):
+        assert _rel(ref["loss"], pipe["loss"]) < 1e-5, (ref, pipe)
+        assert _rel(ref["grad_norm"], pipe["grad_norm"]) < 1e-5, (ref, pipe)
+        assert ref["task_loss"].keys() == pipe["task_loss"].keys()
+        for t in ref["task_loss"]:
+            assert _rel(ref["task_loss"][t], pipe["task_loss"][t]) < 1e-5
+    assert got["ref_bias"].keys() == got["pp_bias"].keys() and got["ref_bias"]
+    for layer, bias in got["ref_bias"].items():
+        assert any(b != 0 for b in bias)  # the bias moved (the load was uneven)
+        for a, b in zip(bias, got["pp_bias"][layer], strict=True):
+            assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3)
+
+
+def test_pipeline_refuses_loss_terms_it_cannot_run(corpus, tmp_path):
+    from mmtrain.loop.pipeline_step import check_pipeline_objective
+    from mmtrain.objectives.balance import build_balancer
+    from mmtrain.objectives.objective import Objective
+    from mmtrain.parallel.distributed import DistEnv
+
+    cfg = tiny_config(corpus, tmp_path / "run", ["loss.visual_ssl.weight=0.1", "model.vision.ssl_head=true"])
+    cfg.model.decoder.vocab_size = 300
+    model = MultimodalModel(cfg.model)
+    obj = Objective(cfg, model, build_balancer(cfg.loss.balancer, {"text": 1.0, "image_text": 1.0,
+                                                                   "video_text": 1.0}),
+                    env=DistEnv(), device=torch.device("cpu"))
+    with pytest.raises(UserError, match="loss.visual_ssl"):
+        check_pipeline_objective(obj)
