@@ -61,6 +61,27 @@ V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 AUX_NAMES = ("moe_seq_balance", "router_z")  # the order of aux_2's entries
 
 
+def check_pipeline_config(cfg, dims) -> None:
+    """One-line refusals of what pipeline parallelism does not compose with (yet), naming the key."""
+    d = cfg.dist
+    if dims.pp <= 1:
+        return
+    if d.pp_schedule == "DualPipeV" and dims.ep > 1:
+        raise UserError("dist.pp_schedule: DualPipeV overlaps one micro-batch's forward with another's "
+                        "backward, which needs an F/B overlap of the expert all-to-alls (dist.ep > 1) "
+                        "that is not implemented; use ZBVZeroBubble or Interleaved1F1B")
+    if d.compile:
+        raise UserError("dist.compile: not supported with dist.pp > 1 yet (the stages call the layers "
+                        "outside Decoder.forward and were tested eager); set dist.compile: false")
+    if cfg.vision.balance != "none":
+        raise UserError("vision.balance: spreads the encoder over data ranks, but with dist.pp > 1 only "
+                        "stage 0 encodes; set vision.balance: none")
+    if cfg.model.decoder.n_layers < dims.pp * stages_per_rank(d.pp_schedule):
+        raise UserError(f"dist.pp: {dims.pp} ranks x {stages_per_rank(d.pp_schedule)} stages a rank "
+                        f"({d.pp_schedule}) need as many decoder layers (model.decoder.n_layers is "
+                        f"{cfg.model.decoder.n_layers})")
+
+
 def schedule_class(name: str):
     if name not in SCHEDULES:
         raise UserError(f"dist.pp_schedule: one of {', '.join(SCHEDULES)} (got {name!r})")
@@ -206,12 +227,30 @@ class StageModel(nn.Module):
 
 def build_stage_models(model: MultimodalModel, schedule: str, pp_rank: int, pp: int,
                        seq_len: int) -> list[StageModel]:
-    """This rank's stages (each a pruned deep copy of `model`), split by `stage_costs`."""
+    """This rank's stages (each a pruned deep copy of `model`), split by `stage_costs`. Split first,
+    then checkpoint / compile each stage's blocks (torchtitan's order): an activation-checkpointed
+    block's forward is an instance attribute closing over the block, which a deep copy would share."""
+    wrapped = [m for m in model.modules() if "forward" in vars(m)]
+    if wrapped:
+        raise ValueError("build_stage_models: split the plain model, then apply activation checkpointing "
+                         "(dist.activation_checkpointing) to each stage's blocks")
     n_stages = pp * stages_per_rank(schedule)
     ranges = split_layers(stage_costs(model, seq_len), n_stages)
     ids = stage_ids(schedule, pp_rank, pp)
     return [StageModel(copy.deepcopy(model) if len(ids) > 1 else model, s, n_stages, ranges[s])
             for s in ids]
+
+
+def checkpoint_stages(parts: list[StageModel]) -> None:
+    """Activation checkpointing per stage (dist.activation_checkpointing): each vision block and
+    decoder layer the stage holds recomputes in backward, as parallelize.py does for one model."""
+    from mmtrain.parallel.parallelize import checkpoint_forward
+
+    for part in parts:
+        blocks = [*(part.vision.blocks if part.vision is not None else []),
+                  *(part.decoder.layers[str(i)] for i in part.layer_ids)]
+        for block in blocks:
+            checkpoint_forward(block)
 
 
 def build_schedule(name: str, parts: list[StageModel], pp_group, device: torch.device, n_microbatches: int,

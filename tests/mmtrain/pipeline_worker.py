@@ -23,8 +23,11 @@ def reference(cfg, model, batches, steps, accum):
     from mmtrain.objectives.objective import Objective
     from mmtrain.optim import build_optimizer
     from mmtrain.parallel.distributed import DistEnv
-    from mmtrain.parallel.parallelize import clip_grad_norm
+    from mmtrain.parallel.parallelize import checkpoint_forward, clip_grad_norm
 
+    if cfg.dist.activation_checkpointing:
+        for block in [*model.vision.blocks, *model.decoder.layers]:
+            checkpoint_forward(block)
     obj = Objective(cfg, model, _balancer(cfg, build_balancer), env=DistEnv(), device=torch.device("cpu"))
     opt = build_optimizer(model, cfg.optim)
     out = []
@@ -49,10 +52,12 @@ def pipelined(cfg, model, batches, steps, accum, schedule, rank, world):
     from mmtrain.objectives.objective import Objective
     from mmtrain.optim import build_optimizer
     from mmtrain.parallel.distributed import DistEnv
-    from mmtrain.parallel.pipeline import build_stage_models, pp_grad_norm
+    from mmtrain.parallel.pipeline import build_stage_models, checkpoint_stages, pp_grad_norm
 
     device = torch.device("cpu")
     parts = build_stage_models(model, schedule, rank, world, cfg.data.seq_len)
+    if cfg.dist.activation_checkpointing:
+        checkpoint_stages(parts)
     last = next((p for p in parts if p.is_last), parts[-1])
     env = DistEnv(rank, world)
     obj = Objective(cfg, last, _balancer(cfg, build_balancer), env=env, device=device, raw_model=last,

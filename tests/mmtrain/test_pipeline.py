@@ -125,13 +125,16 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
-CASES = [("1F1B", 2, 4)] + ([("Interleaved1F1B", 2, 4), ("ZBVZeroBubble", 2, 4), ("DualPipeV", 2, 4),
-                             ("Interleaved1F1B", 4, 8)] if SLOW else [])
+CASES = [("1F1B", 2, 4, False)] + ([("Interleaved1F1B", 2, 4, False), ("ZBVZeroBubble", 2, 4, False),
+                                    ("DualPipeV", 2, 4, False), ("Interleaved1F1B", 4, 8, False),
+                                    ("Interleaved1F1B", 2, 4, True)] if SLOW else [])
 
 
-@pytest.mark.parametrize("schedule,pp,layers", CASES)
-def test_pipeline_matches_one_process(corpus, tmp_path, schedule, pp, layers):
-    cfg = _config_file(corpus, tmp_path, [f"model.decoder.n_layers={layers}"])
+@pytest.mark.parametrize("schedule,pp,layers,ac", CASES)
+def test_pipeline_matches_one_process(corpus, tmp_path, schedule, pp, layers, ac):
+    """`ac`: activation checkpointing on both sides (the pipeline's applied per stage after the split)."""
+    cfg = _config_file(corpus, tmp_path, [f"model.decoder.n_layers={layers}",
+                                          f"dist.activation_checkpointing={str(ac).lower()}"])
     out = tmp_path / "out.json"
     launch([WORKER, cfg, str(out), schedule, "5"], nproc=pp, timeout=600)
     got = json.loads(out.read_text())
@@ -147,6 +150,36 @@ def test_pipeline_matches_one_process(corpus, tmp_path, schedule, pp, layers):
         assert any(b != 0 for b in bias)  # the bias moved (the load was uneven)
         for a, b in zip(bias, got["pp_bias"][layer], strict=True):
             assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3)
+
+
+def test_config_refuses_what_pipelines_do_not_compose_with(corpus, tmp_path):
+    from types import SimpleNamespace
+
+    from mmtrain.parallel.config import PP_SCHEDULES
+    from mmtrain.parallel.pipeline import SCHEDULES, check_pipeline_config
+
+    assert tuple(SCHEDULES) == PP_SCHEDULES
+    cases = {"dist.pp_schedule": (["dist.pp_schedule=DualPipeV"], 2),
+             "dist.compile": (["dist.compile=true"], 1), "vision.balance": (["vision.balance=dp"], 1),
+             "dist.pp: 4": (["dist.pp_schedule=Interleaved1F1B"], 1)}
+    for key, (overrides, ep) in cases.items():
+        cfg = tiny_config(corpus, tmp_path / "run", overrides)
+        dims = SimpleNamespace(pp=4 if key == "dist.pp: 4" else 2, ep=ep)
+        with pytest.raises(UserError, match=key):
+            check_pipeline_config(cfg, dims)
+    check_pipeline_config(tiny_config(corpus, tmp_path / "run"), SimpleNamespace(pp=2, ep=1))
+    with pytest.raises(Exception, match="pp_schedule"):
+        tiny_config(corpus, tmp_path / "run", ["dist.pp_schedule=zigzag"])
+
+
+def test_split_refuses_a_model_already_checkpointed():
+    from mmtrain.parallel.parallelize import checkpoint_forward
+    from mmtrain.parallel.pipeline import build_stage_models
+
+    model = _model(4)
+    checkpoint_forward(model.decoder.layers[0])
+    with pytest.raises(ValueError, match="activation checkpointing"):
+        build_stage_models(model, "Interleaved1F1B", 0, 2, 96)
 
 
 def test_pipeline_refuses_loss_terms_it_cannot_run(corpus, tmp_path):
