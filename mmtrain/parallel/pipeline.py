@@ -51,6 +51,7 @@ from mmtrain.models.counting import _inactive_routed, _matmul_params, attention_
 from mmtrain.models.decoder import scatter_visual
 from mmtrain.models.moe import MoE
 from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.parallel.parallelize import checkpoint_forward, global_norm, prime_probes
 
 Tensor = torch.Tensor
 
@@ -241,11 +242,11 @@ def build_stage_models(model: MultimodalModel, schedule: str, pp_rank: int, pp: 
             for s in ids]
 
 
-def checkpoint_stages(parts: list[StageModel]) -> None:
+def checkpoint_stages(parts: list[StageModel], device: torch.device) -> None:
     """Activation checkpointing per stage (dist.activation_checkpointing): each vision block and
-    decoder layer the stage holds recomputes in backward, as parallelize.py does for one model."""
-    from mmtrain.parallel.parallelize import checkpoint_forward
-
+    decoder layer the stage holds recomputes in backward, as parallelize.py does for one model
+    (the grouped_mm probe first: run inside a checkpointed block it breaks the recompute)."""
+    prime_probes(device)
     for part in parts:
         blocks = [*(part.vision.blocks if part.vision is not None else []),
                   *(part.decoder.layers[str(i)] for i in part.layer_ids)]
@@ -287,11 +288,23 @@ def run_schedule(schedule, arg_mbs: list, kwarg_mbs: list, target_mbs: list) -> 
     schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs=False)
 
 
+def gather_full_model(parts: list[StageModel], pp_group, model: MultimodalModel) -> MultimodalModel:
+    """`model` loaded with every stage's weights (state dicts all-gathered over the pipeline group;
+    their names are the full model's): evaluation, diagnostics, captioning and `generate` need
+    whole forwards, so they run on this gathered model (memory: a full copy a rank)."""
+    local = {k: v.detach().cpu() for part in parts for k, v in part.state_dict().items()}
+    every: list = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(every, local, group=pp_group)
+    missing, unexpected = model.load_state_dict({k: v for d in every for k, v in d.items()}, strict=False)
+    missing = [k for k in missing if not k.startswith("visual_head.")]  # training-only, not staged
+    if missing or unexpected:
+        raise RuntimeError(f"gather_full_model: stages miss {missing[:3]} / add {unexpected[:3]}")
+    return model
+
+
 def pp_grad_norm(parts: list[nn.Module], pp_group, max_norm: float) -> Tensor:
     """The gradient norm over every stage (squares summed over the pipeline group), gradients
     clipped to `max_norm` (0: no clip); the same 0-dim tensor on every rank of the pipeline."""
-    from mmtrain.parallel.parallelize import global_norm  # (parallelize imports this module's users)
-
     grads = [p.grad for m in parts for p in m.parameters() if p.grad is not None]
     sq = global_norm(grads).double().square() if grads else torch.zeros((), dtype=torch.float64)
     dist.all_reduce(sq, group=pp_group)

@@ -23,9 +23,10 @@ def reference(cfg, model, batches, steps, accum):
     from mmtrain.objectives.objective import Objective
     from mmtrain.optim import build_optimizer
     from mmtrain.parallel.distributed import DistEnv
-    from mmtrain.parallel.parallelize import checkpoint_forward, clip_grad_norm
+    from mmtrain.parallel.parallelize import checkpoint_forward, clip_grad_norm, prime_probes
 
     if cfg.dist.activation_checkpointing:
+        prime_probes(torch.device("cpu"))
         for block in [*model.vision.blocks, *model.decoder.layers]:
             checkpoint_forward(block)
     obj = Objective(cfg, model, _balancer(cfg, build_balancer), env=DistEnv(), device=torch.device("cpu"))
@@ -48,16 +49,22 @@ def reference(cfg, model, batches, steps, accum):
 
 def pipelined(cfg, model, batches, steps, accum, schedule, rank, world):
     from mmtrain.loop.pipeline_step import PipelineStep
+    from mmtrain.models.multimodal import MultimodalModel
     from mmtrain.objectives.balance import build_balancer
     from mmtrain.objectives.objective import Objective
     from mmtrain.optim import build_optimizer
     from mmtrain.parallel.distributed import DistEnv
-    from mmtrain.parallel.pipeline import build_stage_models, checkpoint_stages, pp_grad_norm
+    from mmtrain.parallel.pipeline import (
+        build_stage_models,
+        checkpoint_stages,
+        gather_full_model,
+        pp_grad_norm,
+    )
 
     device = torch.device("cpu")
     parts = build_stage_models(model, schedule, rank, world, cfg.data.seq_len)
     if cfg.dist.activation_checkpointing:
-        checkpoint_stages(parts)
+        checkpoint_stages(parts, device)
     last = next((p for p in parts if p.is_last), parts[-1])
     env = DistEnv(rank, world)
     obj = Objective(cfg, last, _balancer(cfg, build_balancer), env=env, device=device, raw_model=last,
@@ -79,7 +86,8 @@ def pipelined(cfg, model, batches, steps, accum, schedule, rank, world):
     bias = {str(i): m.router.expert_bias_E.tolist() for p in parts for i, m in p.moe_layers().items()}
     every = [None] * world
     dist.all_gather_object(every, bias)
-    return out, {k: v for b in every for k, v in b.items()}
+    full = gather_full_model(parts, None, MultimodalModel(cfg.model))  # every stage's weights, named
+    return out, {k: v for b in every for k, v in b.items()}, full
 
 
 def _balancer(cfg, build_balancer):
@@ -114,13 +122,17 @@ def main(config: str, out: str, schedule: str, steps: int) -> None:
     batches = [next(it) for _ in range(steps * accum)]
     seed_everything(cfg.train.seed)
     model = MultimodalModel(cfg.model)
-    ref, ref_bias = reference(cfg, copy.deepcopy(model), batches, steps, accum)
-    pp, pp_bias = pipelined(cfg, model, batches, steps, accum, schedule, rank, world)
+    ref_model = copy.deepcopy(model)
+    ref, ref_bias = reference(cfg, ref_model, batches, steps, accum)
+    pp, pp_bias, full = pipelined(cfg, model, batches, steps, accum, schedule, rank, world)
+    ref_sd, full_sd = ref_model.state_dict(), full.state_dict()
+    weight_diff = max(float((ref_sd[k].double() - full_sd[k].double()).abs().max()) for k in ref_sd
+                      if k in full_sd and not k.startswith("visual_head.") and ref_sd[k].is_floating_point())
     media = sum(int(b.grid_thw_M3.shape[0]) for b in batches)
     video = sum(int((b.modality_BS == 2).sum()) for b in batches)  # video tokens
     if rank == 0:
         Path(out).write_text(json.dumps({"ref": ref, "pp": pp, "ref_bias": ref_bias, "pp_bias": pp_bias,
-                                         "media": media, "video": video}))
+                                         "media": media, "video": video, "weight_diff": weight_diff}))
     dist.destroy_process_group()
 
 

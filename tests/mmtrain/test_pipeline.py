@@ -145,6 +145,7 @@ def test_pipeline_matches_one_process(corpus, tmp_path, schedule, pp, layers, ac
         assert ref["task_loss"].keys() == pipe["task_loss"].keys()
         for t in ref["task_loss"]:
             assert _rel(ref["task_loss"][t], pipe["task_loss"][t]) < 1e-5
+    assert got["weight_diff"] < 1e-5  # the stages gathered into one model: one process's weights
     assert got["ref_bias"].keys() == got["pp_bias"].keys() and got["ref_bias"]
     for layer, bias in got["ref_bias"].items():
         assert any(b != 0 for b in bias)  # the bias moved (the load was uneven)

@@ -11,7 +11,7 @@ I(s, m) after B or I(s+1, m), the last stage's after its own F). Bubble = idle /
 Communication is free here: the bubble is the schedule's, not the network's.
 
 Measured: one process against PP(2) (2 gloo processes, 1 thread each) training the same tiny model
-(configs/tiny.yaml's, 8 layers) on the same micro-batches of the built-in corpus, median step time
+(configs/tiny.yaml's, 4 layers) on the same micro-batches of the built-in corpus, median step time
 over the steps after the first; both sides use the objective's loss (mmtrain/loop/pipeline_step.py).
 """
 
@@ -243,7 +243,7 @@ def main() -> None:
     print("1F1B's closed form (p - 1) / (m + p - 1): "
           + ", ".join(f"m={m}: {(p - 1) / (m + p - 1):.3f}" for m in args.microbatches))
     if args.measure:
-        r = measure(args.steps, args.schedule, 8, 4)
+        r = measure(args.steps, args.schedule, 4, 4)
         print(f"measured ({r['schedule']}, {r['layers']} layers, grad_accum {r['grad_accum']}): one process "
               f"{r['one_process_s'] * 1e3:.0f} ms/step, PP(2) on gloo {r['pp2_s'] * 1e3:.0f} ms/step "
               f"(x{r['ratio']:.2f})")
