@@ -36,7 +36,7 @@ SLOW = os.environ.get("MMTRAIN_SLOW_TESTS") == "1"
 WORKER = "tests/mmtrain/pipeline_worker.py"
 
 
-def _model(n_layers: int = 4) -> MultimodalModel:
+def _model(n_layers: int = 4, first_dense: int = 1) -> MultimodalModel:
     from mmtrain.models.attention import AttentionConfig
     from mmtrain.models.decoder import DecoderConfig
     from mmtrain.models.moe import MoEConfig
@@ -46,7 +46,7 @@ def _model(n_layers: int = 4) -> MultimodalModel:
     att = AttentionConfig(block_size=4, window=4, top_k=1, backend="dense")
     dec = DecoderConfig(vocab_size=64, dim=32, n_layers=n_layers, n_heads=2, n_kv_heads=1, ffn_dim=48,
                         mrope_sections=(2, 3, 3), layer_layout="FS", attention=att,
-                        moe=MoEConfig(n_routed=4, top_k=2, expert_dim=16, first_dense_layers=1))
+                        moe=MoEConfig(n_routed=4, top_k=2, expert_dim=16, first_dense_layers=first_dense))
     return MultimodalModel(ModelConfig(VisionConfig(dim=16, depth=1, n_heads=2), dec))
 
 
@@ -73,6 +73,39 @@ def test_stages_chained_in_one_process_give_the_models_forward():
     # every parameter is on exactly one stage, under the full model's name
     names = [n for p in parts for n, _ in p.named_parameters()]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters() if not n.startswith("visual_head"))
+
+
+def test_stage_boundaries_carry_the_gradients_of_one_process():
+    """Stages cut apart as a pipeline cuts them (each stage's inputs fresh leaves, its outputs'
+    gradients handed back): every parameter gets the full model's gradient, the MoE aux losses'
+    included (every layer is MoE, so each boundary carries a non-zero aux sum)."""
+    model = _model(4, first_dense=0)
+    inputs = _inputs(model)
+    ranges = split_layers(stage_costs(model, 96), 3)
+    parts = [StageModel(copy.deepcopy(model), s, 3, r) for s, r in enumerate(ranges)]
+    out = model(**inputs)
+    w_BSD = torch.randn_like(out.hidden_BSD)
+    ((out.hidden_BSD * w_BSD).sum() + sum(out.aux_losses.values())).backward()
+    acts, x, aux = [], inputs["tokens_BS"], None
+    for part in parts:
+        x_in = x if part.is_first else x.detach().requires_grad_()
+        aux_in = None if part.is_first else aux.detach().requires_grad_()
+        x, aux = part(x_in, aux_in, **inputs)
+        acts.append((x_in, aux_in, x, aux))
+    (acts[-1][2] * w_BSD).sum().add(acts[-1][3].sum()).backward()
+    for i in range(len(parts) - 2, -1, -1):
+        _, _, h, a = acts[i]
+        x_next, aux_next = acts[i + 1][0], acts[i + 1][1]
+        assert aux_next.grad is not None, f"no aux-loss gradient came back across boundary {i}"
+        outs = [t for t in (h, a) if t.requires_grad]
+        grads = [g for t, g in ((h, x_next.grad), (a, aux_next.grad)) if t.requires_grad]
+        torch.autograd.backward(outs, grads)
+    assert all(a[3].requires_grad for a in acts)  # aux carries a graph across every boundary
+    ref = dict(model.named_parameters())
+    for part in parts:
+        for name, p in part.named_parameters():
+            if ref[name].grad is not None:
+                torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_split_minimises_the_largest_stage_and_counts_the_vision_encoder():
