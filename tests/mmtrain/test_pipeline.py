@@ -147,7 +147,7 @@ def test_bad_schedule_names_and_splits_are_one_line_errors():
 
 def _config_file(corpus, tmp_path, overrides) -> str:
     raw = tiny_raw(corpus, tmp_path / "run")
-    for item in ["train.grad_accum=4", *overrides]:
+    for item in ["train.grad_accum=4", "model.decoder.moe.first_dense_layers=0", *overrides]:
         apply_override(raw, item)
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(raw))
