@@ -132,7 +132,7 @@ class Objective:
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, balancer: Balancer, *, env: DistEnv,
                  device: torch.device, raw_model: torch.nn.Module | None = None, dp_rank: int = 0,
-                 cp_rank: int = 0, context=None, autocast: Callable = contextlib.nullcontext):
+                 cp_rank: int = 0, context=None, autocast: Callable = contextlib.nullcontext, pp: int = 1):
         self.cfg, self.model, self.raw_model = cfg, model, raw_model or model
         self.balancer, self.env, self.device, self.autocast = balancer, env, device, autocast
         self.dp_rank, self.cp_rank, self.context = dp_rank, cp_rank, context  # context: a CP shard
@@ -142,6 +142,14 @@ class Objective:
         self._head_g: dict[str, torch.Tensor] = {}  # GradNorm: LM-head gradient (V, D) per task
         self._attn: dict[int, torch.Tensor] | None = None  # per layer (C,) attention counts, log steps
         self.attn_stats: dict[int, dict] = {}  # per layer, latest log step: kept_frac, keys_per_token
+        # ranks that read the same rows and compute the same tokens (pipeline stages; dist.pp): the
+        # data's world is the rest, and a count all-reduced over the whole world counts each row pp times
+        self.pp = pp
+
+    @property
+    def data_world(self) -> int:
+        """Ranks holding distinct shares of the global batch's loss (the world without pipeline stages)."""
+        return self.env.world_size // self.pp
 
     @property
     def token_weighting(self):
@@ -167,18 +175,30 @@ class Objective:
         """Forward one micro-batch; -> this rank's share of its loss (the whole loss in one process).
         Under context parallelism the model reads whole rows and predicts this rank's chunk of
         them: `batch` holds the chunk's targets from here on."""
-        world, inputs, cp = self.env.world_size, batch.model_inputs(), {}
+        mb = self.prepare(batch, sums)
+        cp = {"context": self.context} if self.context is not None else {}
+        with self.autocast():
+            mb.out = self.model(**mb.inputs, attn_stats=self._attn is not None,
+                                compute_logits=not self.cfg.loss.ce_chunk, **mb.kwargs, **cp)
+        return self.finish(mb)
+
+    def prepare(self, batch: PackedBatch, sums: StepSums) -> MicroBatch:
+        """The micro-batch before its forward: global counts, the terms' `before_forward` hooks.
+        (A pipeline prepares every micro-batch of the step first: loop/pipeline_step.py.)"""
+        world, inputs = self.data_world, batch.model_inputs()
         if self.context is not None:
-            batch, cp = local_targets(batch, self.context), {"context": self.context}
+            batch = local_targets(batch, self.context)
         counts_T = self._global_counts(batch) if world > 1 else None
         mb = MicroBatch(batch, inputs, sums, counts_T, world)
         for term in self.terms:
             term.before_forward(mb)
-        chunk = self.cfg.loss.ce_chunk
-        with self.autocast():
-            mb.out = self.model(**mb.inputs, attn_stats=self._attn is not None, compute_logits=not chunk,
-                                **mb.kwargs, **cp)
-        self._add_attn(mb.out.attn_stats)
+        return mb
+
+    def finish(self, mb: MicroBatch) -> torch.Tensor:
+        """The micro-batch's loss from its forward's output `mb.out` (a ModelOutput)."""
+        chunk, batch = self.cfg.loss.ce_chunk, mb.batch
+        if mb.out.attn_stats:
+            self._add_attn(mb.out.attn_stats)
         labels_BS = batch.labels_BS if mb.labels_BS is None else mb.labels_BS
         mb.head = (ChunkedHead(mb.out.hidden_BSD, head_weight(self.raw_model), labels_BS, chunk,
                                self.autocast) if chunk else FullHead(mb.out.logits_BSV, labels_BS))
@@ -193,7 +213,7 @@ class Objective:
             add = term.loss(mb)
             for part in add if isinstance(add, list) else [] if add is None else [add]:
                 loss = loss + part
-        self._count(batch, mb.losses, local_n, sums)
+        self._count(batch, mb.losses, local_n, sums=mb.sums)
         return loss
 
     def _task_losses(self, mb: MicroBatch) -> tuple[TaskLosses, dict[str, torch.Tensor]]:
@@ -218,7 +238,8 @@ class Objective:
         forward. A device tensor: no host sync (token weighting reads it only without media rows)."""
         counts = torch.stack([((batch.labels_BS != IGNORE_INDEX) & (batch.task_BS == t)).sum()
                               for t in range(len(TASK_NAMES))]).to(torch.float64)
-        return all_reduce(torch.cat([counts, counts.sum()[None]]), self.env)
+        total = all_reduce(torch.cat([counts, counts.sum()[None]]), self.env)
+        return total / self.pp if self.pp > 1 else total  # integers in float64: exact
 
     def _count(self, batch: PackedBatch, losses: TaskLosses, local_n: dict[str, torch.Tensor],
                sums: StepSums) -> None:

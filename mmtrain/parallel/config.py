@@ -9,6 +9,8 @@ from typing import Literal
 
 from mmtrain.checks import check
 
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")  # pipeline.SCHEDULES' keys
+
 
 @dataclass
 class DistConfig:
@@ -23,6 +25,9 @@ class DistConfig:
     cp: int = 1  # context parallelism: ranks that split every row between them
     tp: int = 1  # tensor parallelism: ranks that split every layer's heads / FFN width (innermost)
     pp: int = 1  # pipeline parallelism: stages, each a slice of the layers (outermost)
+    # torch.distributed.pipelining's schedule by name (mmtrain/parallel/pipeline.py); micro-batches are
+    # train.grad_accum's. Interleaved1F1B / ZBVZeroBubble / DualPipeV run 2 stages a rank.
+    pp_schedule: str = "1F1B"
     ep: int = 1  # expert parallelism: ranks that split each MoE layer's routed experts (from dp_shard x cp)
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_s: float = 600.0  # collective timeout: a dead or stuck rank ends the job instead of a hang
@@ -37,6 +42,7 @@ class DistConfig:
     def __post_init__(self):
         check(self, "timeout_s", gt=0)
         check(self, "compile_backend", choices=("inductor", "aot_eager"))
+        check(self, "pp_schedule", choices=PP_SCHEDULES)
         check(self, "dp_replicate", "cp", "tp", "pp", "ep", ge=1)
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"dp_shard: must be >= 1 or -1 (the rest of the world) (got {self.dp_shard})")

@@ -1,0 +1,75 @@
+"""One training step's micro-batches through a pipeline schedule (dist.pp > 1).
+
+    step = PipelineStep(objective, parts, "1F1B", pp_group, device, accum)
+    loss = step.run(batches, sums)   # forward + backward of every micro-batch; -> sum of loss / accum
+
+The micro-batches are the step's gradient-accumulation micro-batches (`train.grad_accum`), in
+order. Every rank of the pipeline prepares each of them (global token counts, the terms'
+before_forward hooks: the same collectives on every rank), the schedule runs the stages, and the
+last stage's loss_fn is the objective's `finish` on a ModelOutput built from the stage's output:
+the hidden states, the LM head's logits and the MoE auxiliary losses carried across the stages.
+The loss_fn returns loss x data_world / accum, which is what the one-process loop backwards
+(the schedule does not rescale). Only the last stage adds to the step's sums; the trainer's
+whole-world reduce of them gives every rank the same totals, so every stage takes the same
+decisions (skip, balancer weights).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmtrain.data_pipelines.batch import PackedBatch
+from mmtrain.errors import UserError
+from mmtrain.models.multimodal import ModelOutput
+from mmtrain.parallel.pipeline import AUX_NAMES, StageModel, build_schedule, run_schedule
+
+# loss terms that need a second forward, extra rows or a stage they do not run on
+_REFUSED_TERMS = ("token_weighting", "visual_ssl", "visual_next", "contrast")
+
+
+def check_pipeline_objective(objective) -> None:
+    """One-line refusals of what the pipeline step does not compose with."""
+    for term in objective.terms:
+        if term.name in _REFUSED_TERMS:
+            raise UserError(f"loss.{term.name}: not supported with dist.pp > 1 (it needs the whole "
+                            f"model in one forward); turn it off or run without pipeline parallelism")
+    if objective.needs_head_grads:
+        raise UserError("loss.balancer.kind: gradnorm reads the LM head's per-task gradients, which "
+                        "only the last pipeline stage has; not supported with dist.pp > 1")
+
+
+class PipelineStep:
+    def __init__(self, objective, parts: list[StageModel], schedule: str, pp_group, device: torch.device,
+                 accum: int):
+        check_pipeline_objective(objective)
+        self.objective, self.parts, self.name = objective, parts, schedule
+        self.group, self.device, self.accum = pp_group, device, accum
+        self.last = next((p for p in parts if p.is_last), None)
+        self.schedule = None  # built on the first step: its shapes come from the first batch
+        self._loss = None
+
+    def run(self, batches: list[PackedBatch], sums) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches; -> the sum of their losses / accum on the
+        rank holding the last stage (float64, no host read), zero elsewhere."""
+        if len(batches) != self.accum:
+            raise ValueError(f"train.grad_accum: {self.accum} micro-batches expected, got {len(batches)}")
+        mbs = [self.objective.prepare(b, sums) for b in batches]
+        if self.schedule is None:
+            self.schedule = build_schedule(self.name, self.parts, self.group, self.device, self.accum,
+                                           self._loss_fn, mbs[0].inputs)
+        for part in self.parts:
+            part.records.clear()
+        self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        args = [(mb.inputs["tokens_BS"],) for mb in mbs]
+        run_schedule(self.schedule, args, [mb.inputs for mb in mbs], mbs)
+        return self._loss
+
+    def _loss_fn(self, output: tuple[torch.Tensor, torch.Tensor], mb) -> torch.Tensor:
+        h_BSD, aux_2 = output
+        obj = self.objective
+        logits = None if obj.cfg.loss.ce_chunk else self.last.decoder.logits(h_BSD)
+        aux = {name: aux_2[i] for i, name in enumerate(AUX_NAMES)}
+        mb.out = ModelOutput(logits, h_BSD, aux, None, None, {}, None)
+        loss = obj.finish(mb)
+        self._loss = self._loss + loss.detach().double() / self.accum
+        return loss * (obj.data_world / self.accum)

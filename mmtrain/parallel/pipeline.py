@@ -1,0 +1,314 @@
+"""Pipeline parallelism: the real model cut into stages, run by `torch.distributed.pipelining`.
+
+    costs = stage_costs(model, seq_len, visual_fraction)    # FLOPs per token: vision, each layer, head
+    ranges = split_layers(costs, n_stages)                 # contiguous decoder layers per stage
+    parts = [StageModel(model_copy, s, n_stages, ranges[s]) for s in stage_ids(name, pp_rank, pp)]
+    schedule = build_schedule(name, stages, n_microbatches, loss_fn)
+
+The split (torchtitan's `pipeline_module_split`: each stage a pruned copy of the whole model, so
+parameter names are the full model's and a checkpoint reshards): stage 0 holds the vision encoder
+and the token embedding, every stage a contiguous slice of the decoder layers, the last one the
+final norm and the LM head (the loss runs there, as the schedule's loss_fn). Where the layers are
+cut comes from a stated cost model, `stage_costs`: training FLOPs per decoder token of each layer
+(6 x its active matmul parameters + 12 x heads x head_dim x the keys a query reads, as
+`models/counting.flops_per_token`), the vision encoder's FLOPs per decoder token (its per-patch
+cost x merge^2 x the visual fraction) counted on stage 0, the LM head's (6 x D x V) on the last;
+`split_layers` then minimises the largest stage's cost.
+
+What crosses a stage boundary: the residual stream h_BSD and a (2,) tensor of the MoE auxiliary
+losses summed over the layers so far (moe_seq_balance, router_z): it rides along the activations,
+so the last stage adds it to the loss and its gradient flows back through every stage exactly as
+in one process. The per-row metadata (document ids, span ids, modality, M-RoPE positions) is NOT
+sent: every rank of a pipeline reads the same micro-batch (the pp ranks share a data rank), the
+schedule hands every stage the batch's tensors as keyword arguments, and each stage rebuilds the
+attention metadata (`build_meta`) and the rotary tables from them itself, as the decoder does once
+per forward. Patches reach only stage 0's vision encoder.
+
+Legend: B rows, S tokens, D decoder width, V vocabulary, L decoder layers, N patches, M media.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from mmtrain.errors import UserError
+from mmtrain.models.attention import build_meta
+from mmtrain.models.counting import _inactive_routed, _matmul_params, attention_keys, flops_per_token
+from mmtrain.models.decoder import scatter_visual
+from mmtrain.models.moe import MoE
+from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.parallel.parallelize import checkpoint_forward, global_norm, prime_probes
+
+Tensor = torch.Tensor
+
+# dist.pp_schedule -> torch's schedule; the V-shaped ones place stages r and 2 pp - 1 - r on rank r
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+             "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+AUX_NAMES = ("moe_seq_balance", "router_z")  # the order of aux_2's entries
+
+
+def check_pipeline_config(cfg, dims) -> None:
+    """One-line refusals of what pipeline parallelism does not compose with (yet), naming the key."""
+    d = cfg.dist
+    if dims.pp <= 1:
+        return
+    if d.pp_schedule == "DualPipeV" and dims.ep > 1:
+        raise UserError("dist.pp_schedule: DualPipeV overlaps one micro-batch's forward with another's "
+                        "backward, which needs an F/B overlap of the expert all-to-alls (dist.ep > 1) "
+                        "that is not implemented; use ZBVZeroBubble or Interleaved1F1B")
+    if d.compile:
+        raise UserError("dist.compile: not supported with dist.pp > 1 yet (the stages call the layers "
+                        "outside Decoder.forward and were tested eager); set dist.compile: false")
+    if cfg.vision.balance != "none":
+        raise UserError("vision.balance: spreads the encoder over data ranks, but with dist.pp > 1 only "
+                        "stage 0 encodes; set vision.balance: none")
+    if cfg.model.decoder.n_layers < dims.pp * stages_per_rank(d.pp_schedule):
+        raise UserError(f"dist.pp: {dims.pp} ranks x {stages_per_rank(d.pp_schedule)} stages a rank "
+                        f"({d.pp_schedule}) need as many decoder layers (model.decoder.n_layers is "
+                        f"{cfg.model.decoder.n_layers})")
+
+
+def schedule_class(name: str):
+    if name not in SCHEDULES:
+        raise UserError(f"dist.pp_schedule: one of {', '.join(SCHEDULES)} (got {name!r})")
+    return SCHEDULES[name]
+
+
+def stages_per_rank(name: str) -> int:
+    return 1 if issubclass(schedule_class(name), PipelineScheduleSingle) else 2
+
+
+def stage_ids(name: str, pp_rank: int, pp: int) -> list[int]:
+    """The stages rank `pp_rank` runs: itself (single-stage schedules), r, r + pp, ... (looped) or
+    r and 2 pp - 1 - r (V-shaped: the first and last stage on rank 0, so the loss is next to the input)."""
+    k = stages_per_rank(name)
+    if name in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(k)]
+
+
+# ----- the cost model and the split ----------------------------------------------------------------
+def stage_costs(model: MultimodalModel, seq_len: int, visual_fraction: float = 0.25,
+                patches_per_medium: int = 256) -> dict:
+    """Training FLOPs per decoder token: {"vision": the encoder + projector (on stage 0), "layers":
+    one per decoder layer, "head": the LM head (on the last stage)}. The visual fraction (share of a
+    row's tokens that are visual) scales the encoder: its cost is per patch, not per decoder token."""
+    dec = model.cfg.decoder
+    vision = flops_per_token(model, seq_len, visual_fraction, patches_per_medium) - flops_per_token(
+        model, seq_len, 0.0, patches_per_medium)
+    layers = []
+    for i, layer in enumerate(model.decoder.layers):
+        inactive = _inactive_routed_layer(layer)
+        attn = 12 * dec.n_heads * dec.head_dim * attention_keys(model, i, seq_len)
+        layers.append(6 * (_matmul_params(layer) - inactive) + attn)
+    return {"vision": vision, "layers": layers, "head": 6 * dec.dim * dec.vocab_size}
+
+
+def _inactive_routed_layer(layer: nn.Module) -> int:
+    holder = nn.Module()
+    holder.moe_layers = lambda: {0: layer.ffn} if isinstance(layer.ffn, MoE) else {}
+    return _inactive_routed(holder)
+
+
+def split_layers(costs: dict, n_stages: int) -> list[range]:
+    """Contiguous decoder layers per stage (at least one each) minimising the largest stage cost,
+    the vision encoder's cost added to stage 0 and the head's to the last (exact: dynamic programming)."""
+    c = costs["layers"]
+    L = len(c)
+    if n_stages > L:
+        raise UserError(f"dist.pp: {n_stages} stages need at least {n_stages} decoder layers "
+                        f"(model.decoder.n_layers is {L})")
+    prefix = [0.0]
+    for x in c:
+        prefix.append(prefix[-1] + x)
+
+    def cost(s: int, lo: int, hi: int) -> float:
+        extra = (costs["vision"] if s == 0 else 0.0) + (costs["head"] if s == n_stages - 1 else 0.0)
+        return prefix[hi] - prefix[lo] + extra
+
+    # best[s][j]: the smallest max cost of stages 0..s-1 holding layers [0, j); cut[s][j] its last cut
+    inf = float("inf")
+    best = [[inf] * (L + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (L + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for j in range(s, L - (n_stages - s) + 1):
+            for i in range(s - 1, j):
+                v = max(best[s - 1][i], cost(s - 1, i, j))
+                if v < best[s][j]:
+                    best[s][j], cut[s][j] = v, i
+    bounds, j = [], L
+    for s in range(n_stages, 0, -1):
+        bounds.append(range(cut[s][j], j))
+        j = cut[s][j]
+    return bounds[::-1]
+
+
+# ----- a stage ---------------------------------------------------------------------------------------
+class StageModel(nn.Module):
+    """One pipeline stage: a pruned copy of the model (its own parameters keep the full model's names:
+    `vision.*`, `decoder.embed.*`, `decoder.layers.<i>.*`, `decoder.norm.*`, `decoder.lm_head.*`).
+
+    forward(x, aux_2=None, **model_inputs) -> (h_BSD, aux_2): x is tokens_BS on stage 0, the
+    previous stage's h_BSD elsewhere; the last stage returns the final-norm hidden states (its LM
+    head runs in the loss, chunked or not)."""
+
+    def __init__(self, model: MultimodalModel, stage: int, n_stages: int, layers: range):
+        super().__init__()
+        if model.cfg.decoder.tie_embeddings and n_stages > 1:
+            raise UserError("model.decoder.tie_embeddings: the embedding and the LM head sit on the first "
+                            "and last pipeline stages; untie them to use dist.pp")
+        self.cfg, self.stage, self.n_stages = model.cfg, stage, n_stages
+        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        dec = model.decoder
+        self.vision = model.vision if self.is_first else None
+        self.visual_head = None
+        self.encode_media = None
+        kept = nn.ModuleDict({str(i): dec.layers[i] for i in layers})  # names as in the full model
+        dec.layers = kept
+        if not self.is_first:
+            dec.embed = None
+        if not self.is_last:
+            dec.norm, dec.lm_head = None, None
+        self.decoder = dec
+        self.layer_ids = list(layers)
+        self.records: list[dict] = []  # per micro-batch forward: {layer: (load_3E, entropy_3)}
+
+    def moe_layers(self) -> dict[int, MoE]:
+        return {i: self.decoder.layers[str(i)].ffn for i in self.layer_ids
+                if isinstance(self.decoder.layers[str(i)].ffn, MoE)}
+
+    def update_moe_bias(self, reduce_fn: Callable[[Tensor], None] | None = None) -> None:
+        """This stage's MoE layers' bias step (each layer lives on one stage: no pp exchange needed)."""
+        MultimodalModel.update_moe_bias(self, reduce_fn)
+
+    def forward(self, x: Tensor, aux_2: Tensor | None = None, *, tokens_BS: Tensor, pos_ids_3BS: Tensor,
+                doc_ids_BS: Tensor, span_ids_BS: Tensor, modality_BS: Tensor, patches_NP: Tensor,
+                grid_thw_M3: Tensor) -> tuple[Tensor, Tensor]:
+        dec = self.decoder
+        if self.is_first:
+            encode = self.encode_media if self.training and self.encode_media is not None else None
+            visual_ND = (self.vision(patches_NP, grid_thw_M3) if encode is None
+                         else encode(self.vision, patches_NP, grid_thw_M3, modality_BS))
+            h_BSD = scatter_visual(dec.embed(x), modality_BS, visual_ND)
+            aux_2 = h_BSD.new_zeros(len(AUX_NAMES), dtype=torch.float32)
+        else:
+            h_BSD = x
+        meta = build_meta(doc_ids_BS, span_ids_BS, dec.cfg.attention.block_size)  # rebuilt per stage
+        cos_B1SF, sin_B1SF = dec.rotary(pos_ids_3BS)
+        record = {}
+        for i in self.layer_ids:
+            layer = dec.layers[str(i)]
+            h_BSD, aux, _ = layer(h_BSD, cos_B1SF, sin_B1SF, meta, dec.cfg.attention, modality_BS)
+            if aux:
+                aux_2 = aux_2 + torch.stack([aux[n].float() for n in AUX_NAMES])
+                record[i] = (aux["load_3E"].detach(), aux["router_entropy_3"].detach())
+                if self.training:
+                    layer.ffn.accumulate_load(aux["load_3E"])
+        self.records.append(record)
+        if self.is_last:
+            h_BSD = dec.norm(h_BSD)
+        return h_BSD, aux_2
+
+
+def build_stage_models(model: MultimodalModel, schedule: str, pp_rank: int, pp: int,
+                       seq_len: int) -> list[StageModel]:
+    """This rank's stages (each a pruned deep copy of `model`), split by `stage_costs`. Split first,
+    then checkpoint / compile each stage's blocks (torchtitan's order): an activation-checkpointed
+    block's forward is an instance attribute closing over the block, which a deep copy would share."""
+    wrapped = [m for m in model.modules() if "forward" in vars(m)]
+    if wrapped:
+        raise ValueError("build_stage_models: split the plain model, then apply activation checkpointing "
+                         "(dist.activation_checkpointing) to each stage's blocks")
+    n_stages = pp * stages_per_rank(schedule)
+    ranges = split_layers(stage_costs(model, seq_len), n_stages)
+    ids = stage_ids(schedule, pp_rank, pp)
+    return [StageModel(copy.deepcopy(model) if len(ids) > 1 else model, s, n_stages, ranges[s])
+            for s in ids]
+
+
+def checkpoint_stages(parts: list[StageModel], device: torch.device) -> None:
+    """Activation checkpointing per stage (dist.activation_checkpointing): each vision block and
+    decoder layer the stage holds recomputes in backward, as parallelize.py does for one model
+    (the grouped_mm probe first: run inside a checkpointed block it breaks the recompute)."""
+    prime_probes(device)
+    for part in parts:
+        blocks = [*(part.vision.blocks if part.vision is not None else []),
+                  *(part.decoder.layers[str(i)] for i in part.layer_ids)]
+        for block in blocks:
+            checkpoint_forward(block)
+
+
+def build_schedule(name: str, parts: list[StageModel], pp_group, device: torch.device, n_microbatches: int,
+                   loss_fn: Callable, example: dict[str, Tensor]):
+    """torch's schedule over this rank's stages. Shapes are given up front (static mode: no
+    metadata-inference forward, so nothing runs twice): h_BSD and aux_2 between stages, tokens into
+    stage 0. Gradients are not rescaled by the schedule: `loss_fn` returns the share to backward."""
+    cls = schedule_class(name)
+    n_stages = parts[0].n_stages
+    B, S = example["tokens_BS"].shape
+    D = parts[0].cfg.decoder.dim
+    # both carry gradients (aux_2 on a stage without MoE layers has none to give: torch skips it)
+    acts = (torch.empty(B, S, D, device=device, requires_grad=True),
+            torch.empty(len(AUX_NAMES), device=device, requires_grad=True))
+    stages = [PipelineStage(part, part.stage, n_stages, device, group=pp_group, output_args=acts,
+                            input_args=(example["tokens_BS"],) if part.is_first else acts)
+              for part in parts]
+    try:
+        if issubclass(cls, PipelineScheduleSingle):
+            return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    except ValueError as e:  # torch's own constraint on the micro-batch count, in one line
+        raise UserError(f"train.grad_accum: {n_microbatches} micro-batches do not fit dist.pp_schedule "
+                        f"{name}: {str(e).splitlines()[0]}") from None
+
+
+def run_schedule(schedule, arg_mbs: list, kwarg_mbs: list, target_mbs: list) -> None:
+    """`schedule.step` on micro-batches the caller made: ours are the loader's micro-batches, whose
+    media (patches, grids) differ in length, so they cannot come from splitting one batch."""
+    stages = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
+    for stage in stages:  # what step() does before its split
+        stage.has_backward = schedule._has_backward
+        stage.clear_runtime_states()
+    schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs=False)
+
+
+def gather_full_model(parts: list[StageModel], pp_group, model: MultimodalModel) -> MultimodalModel:
+    """`model` loaded with every stage's weights (state dicts all-gathered over the pipeline group;
+    their names are the full model's): evaluation, diagnostics, captioning and `generate` need
+    whole forwards, so they run on this gathered model (memory: a full copy a rank)."""
+    local = {k: v.detach().cpu() for part in parts for k, v in part.state_dict().items()}
+    every: list = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(every, local, group=pp_group)
+    missing, unexpected = model.load_state_dict({k: v for d in every for k, v in d.items()}, strict=False)
+    missing = [k for k in missing if not k.startswith("visual_head.")]  # training-only, not staged
+    if missing or unexpected:
+        raise RuntimeError(f"gather_full_model: stages miss {missing[:3]} / add {unexpected[:3]}")
+    return model
+
+
+def pp_grad_norm(parts: list[nn.Module], pp_group, max_norm: float) -> Tensor:
+    """The gradient norm over every stage (squares summed over the pipeline group), gradients
+    clipped to `max_norm` (0: no clip); the same 0-dim tensor on every rank of the pipeline."""
+    grads = [p.grad for m in parts for p in m.parameters() if p.grad is not None]
+    sq = global_norm(grads).double().square() if grads else torch.zeros((), dtype=torch.float64)
+    dist.all_reduce(sq, group=pp_group)
+    norm = sq.sqrt().float()
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_([p for m in parts for p in m.parameters()], max_norm, norm)
+    return norm
