@@ -2,7 +2,7 @@
 tools/bench/bench_vision_balance.py computes, timed and weighed.
 
     python -m tools.bench.bench_vision_ranks --part encoder --ranks 2 4 --steps 12
-    python -m tools.bench.bench_vision_ranks --part step --ranks 4 --steps 30
+    python -m tools.bench.bench_vision_ranks --part step --ranks 4 --steps 20
     python -m tools.bench.bench_vision_ranks --part memory --cp 2 4 --steps 8
     (any of them with --quick: a smoke run of a few steps)
 
@@ -211,13 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
     ap.add_argument("--ranks", type=int, nargs="+", default=None, help="encoder: 2 4; step: 4")
     ap.add_argument("--cp", type=int, nargs="+", default=[2, 4], help="memory: cp group sizes")
-    ap.add_argument("--steps", type=int, default=None, help="measured steps (encoder 12, step 30, memory 8)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (encoder 12, step 20, memory 8)")
     ap.add_argument("--warmup", type=int, default=None, help="steps before measuring (encoder 2, step 5)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 measured steps, 1 warm-up")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--worker", choices=("encoder", "memory"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    default_steps = {"encoder": 12, "step": 30, "memory": 8}[args.worker or args.part]
+    default_steps = {"encoder": 12, "step": 20, "memory": 8}[args.worker or args.part]
     args.steps = args.steps or (2 if args.quick else default_steps)
     if args.warmup is None:
         args.warmup = 1 if args.quick else 5 if args.part == "step" else 2

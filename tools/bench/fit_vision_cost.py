@@ -7,8 +7,8 @@ the measured forward + backward time of the config's VisionEncoder on one medium
 
 Run it alone on the training hardware (the fit is only as good as the timings). Sizes: images of
 g x g patches and clips of t x g x g, g a multiple of merge; each the median of `--repeats` after
-a warm-up, smallest first. A size whose time, extrapolated linearly from the last one, would
-overrun `--budget-s` ends the sweep (on CPU a large ViT reaches only the smaller sizes). Prints
+a warm-up, smallest first. A size whose time, extrapolated from the last one as n^2 (an upper
+bound), would overrun `--budget-s` ends the sweep (on CPU a large ViT reaches only the smaller sizes). Prints
 each size's time and the overrides to paste; only the ratios matter, so they are scaled to b = 1
 when b > 0 (times in microseconds otherwise).
 """
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     for grid in sizes(cfg.vision.merge, args.max_side, tuple(args.frames)):
         n = grid[0] * grid[1] * grid[2]
         left = args.budget_s - (time.perf_counter() - t0)
-        if t_K and t_K[-1] * 1e-6 * n / n_K[-1] * (args.repeats + 1) > left:
+        if t_K and t_K[-1] * 1e-6 * (n / n_K[-1]) ** 2 * (args.repeats + 1) > left:  # attention: n^2
             print(f"grid {grid}: n {n:>7}  skipped, and the larger ones (--budget-s {args.budget_s:g})")
             break
         n_K.append(n)
