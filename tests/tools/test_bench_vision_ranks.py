@@ -66,7 +66,7 @@ def test_fit_quick_prints_the_overrides(capsys):
 
 
 def test_measured_quick_encoder_and_memory(sets, capsys):
-    args = [*_argv(sets), "--quick", "--timeout", "400"]
+    args = [*_argv(sets), "--quick", "--steps", "1", "--timeout", "400"]
     bench_vision_ranks.main([*args, "--part", "encoder", "--ranks", "2"])
     bench_vision_ranks.main([*args, "--part", "memory", "--cp", "2"])
     enc, mem = _rows(capsys.readouterr().out)
