@@ -1,8 +1,8 @@
 """`vision.balance` measured on gloo ranks (CPU, one thread a process) on real batches: what
 tools/bench/bench_vision_balance.py computes, timed and weighed.
 
-    python -m tools.bench.bench_vision_ranks --part encoder --ranks 2 4 --steps 12
-    python -m tools.bench.bench_vision_ranks --part step --ranks 4 --steps 20
+    python -m tools.bench.bench_vision_ranks --part encoder --ranks 2 4 --steps 10
+    python -m tools.bench.bench_vision_ranks --part step --ranks 4 --steps 15
     python -m tools.bench.bench_vision_ranks --part memory --cp 2 4 --steps 8
     (any of them with --quick: a smoke run of a few steps)
 
@@ -186,8 +186,8 @@ def train_sets(args: argparse.Namespace, balance: str, run_dir: Path) -> list[st
     """The overrides of one timed `mmtrain.train` run (the checkpoint and eval at its end are untimed)."""
     return [f"run_dir={run_dir}", f"train.steps={args.warmup + args.steps}", "train.threads=1",
             "data.num_workers=0", "train.eval_every=0", "train.ckpt_every=0", "train.log_every=1000",
-            "diagnostics.every=0", "loss.balancer.kind=static", "captions.images=0", "captions.videos=0",
-            "dist.strategy=fsdp", f"vision.balance={balance}", *args.set]
+            "train.eval_batches=1", "diagnostics.every=0", "loss.balancer.kind=static", "captions.images=0",
+            "captions.videos=0", "dist.strategy=fsdp", f"vision.balance={balance}", *args.set]
 
 
 def train_run(args: argparse.Namespace, nproc: int, balance: str, run_dir: Path) -> dict:
@@ -211,13 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
     ap.add_argument("--ranks", type=int, nargs="+", default=None, help="encoder: 2 4; step: 4")
     ap.add_argument("--cp", type=int, nargs="+", default=[2, 4], help="memory: cp group sizes")
-    ap.add_argument("--steps", type=int, default=None, help="measured steps (encoder 12, step 20, memory 8)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (encoder 10, step 15, memory 8)")
     ap.add_argument("--warmup", type=int, default=None, help="steps before measuring (encoder 2, step 5)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 measured steps, 1 warm-up")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--worker", choices=("encoder", "memory"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    default_steps = {"encoder": 12, "step": 20, "memory": 8}[args.worker or args.part]
+    default_steps = {"encoder": 10, "step": 15, "memory": 8}[args.worker or args.part]
     args.steps = args.steps or (2 if args.quick else default_steps)
     if args.warmup is None:
         args.warmup = 1 if args.quick else 5 if args.part == "step" else 2
