@@ -9,7 +9,7 @@ CONFIG ?= configs/tiny.yaml
 RUN    ?= runs/tiny
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install data train test lint bench clean
+.PHONY: install data data-video train test lint bench clean
 
 # A venv with mmtrain installed editable. A torch already present (e.g. a CUDA build) is kept;
 # otherwise the CPU wheel is installed first, so pip never pulls a multi-GB CUDA build.
@@ -32,6 +32,13 @@ $(DATA)/manifest.json: | $(TRAIN_STAMP)
 	$(BIN)/mmtrain data synth --out $(DATA)
 
 data: $(DATA)/manifest.json
+
+# configs/video_heavy.yaml's corpus (the vision balance's benchmarks): small images, 16-frame clips
+data/shapes_video/manifest.json: | $(TRAIN_STAMP)
+	$(BIN)/mmtrain data synth --out data/shapes_video --image-size 32 --video-size 64 --frames 16 \
+		--n-image 3000 --n-video 3000 --n-interleaved 1000 --n-text 2000
+
+data-video: data/shapes_video/manifest.json
 
 train: $(TRAIN_STAMP) $(DATA)/manifest.json
 	$(BIN)/mmtrain train $(CONFIG) --run-dir $(RUN)

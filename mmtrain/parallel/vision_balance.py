@@ -14,8 +14,14 @@ still runs every block (VisionEncoder's blank frame): FSDP's collectives stay ma
             is encoded once in the world and its tokens go to the ranks of the group whose chunk
             holds one of its placeholders
 
-Installed as `MultimodalModel.encode_media` (used in training mode only: eval forwards encode
-locally, so a forward that only some ranks run never waits on the others).
+Installed as `MultimodalModel.encode_media`, used by training forwards only. Two passes stay local:
+- eval forwards (evaluate, diagnostics, probe, captioning): not every one runs on every rank in
+  step (captioning decodes on rank 0 alone), so a collective inside would hang; they have no
+  backward and run on a few batches, so there is little to balance.
+- the masked-patch pass (loss.visual_ssl): it would need the masks sent with the patches and
+  per-patch predictions (not merged tokens) sent back, a third exchange pair, for a pass over
+  `media_share` (0.25) of the media. It is exact as it is and every rank runs it (a blank frame
+  when nothing is masked). tests/mmtrain/test_vision_balance_runs.py: on = off, both included.
 
 Legend: N patches, P patch dim, M media, Q visual tokens, O decoder dim, G ranks of the group.
 """
