@@ -1,7 +1,8 @@
 """`mmtrain plan` (mmtrain/plan/): the planned peak equals the peak of the same step on real tensors
 (1 and 2 gloo ranks); its collective bytes equal bench_comm's formula (itself equal to the bytes
 counted on gloo, tests/tools/test_bench_comm.py); its FLOPs equal a count by hand; its verdict is
-the exit code; bad meshes and GPU names are one-line errors naming the key."""
+the exit code; bad meshes and GPU names are one-line errors naming the key; the fast memory
+bookkeeping (tracker.py) gives the reference's plan; the vision encoder's cost per balance mode."""
 
 from __future__ import annotations
 
