@@ -20,7 +20,9 @@ ROWS = [  # (config, gpus, --set pairs): each config at its intended mesh
     ("small", 1, []), ("small", 8, []),
     ("base", 32, ["dist.dp_replicate=4"]), ("base", 64, ["dist.dp_replicate=8"]),
     ("base", 64, ["dist.dp_replicate=8", "dist.activation_checkpointing=false"]),  # why it is on
-    ("long", 256, ["dist.dp_replicate=32", "dist.cp=2"]),
+    ("long", 256, ["dist.dp_replicate=32", "dist.cp=2"]),  # its 64k-token rows
+    # 1M-token rows: cp 32 keeps a rank's chunk at 32k tokens, as cp 2 does at 64k
+    ("long", 256, ["dist.dp_replicate=8", "dist.cp=32", "data.seq_len=1048576"]),
     ("m3", 256, []),
 ]
 GB = 1e9

@@ -24,12 +24,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows this rank's experts receive / the uniform share (EP)")
     parser.add_argument("--keep-rate", type=float, default=None,
                         help="sparse layers' kept share of the causal pairs (default: the rule's cap)")
+    parser.add_argument("--exact", action="store_true", help="torch's own memory bookkeeping (the "
+                        "reference of the fast one; the same numbers, slower)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     plan = make_plan(args.config, args.gpus, args.gpu, args.overrides, rank=args.rank,
-                     visual_frac=args.visual_frac, ep_imbalance=args.ep_imbalance, keep_rate=args.keep_rate)
+                     visual_frac=args.visual_frac, ep_imbalance=args.ep_imbalance, keep_rate=args.keep_rate,
+                     exact=args.exact)
     from mmtrain.plan.report import text
 
     print(json.dumps(plan, indent=1) if args.json else text(plan))
@@ -54,7 +57,10 @@ def make_plan(config: str, gpus: int, gpu_name: str, overrides=(), **options) ->
         raise UserError(f"--rank: must be in [0, {gpus}) (got {options['rank']})")
     params = _params(cfg)
     result = trace(cfg, PlanOptions(gpus=gpus, per_node=spec.per_node, **options))
-    return report.build(config, result, spec, gpus, params)
+    from mmtrain.plan.vision import vision_costs
+
+    vision = vision_costs(cfg.vision, result.media_patches, result.mesh)
+    return report.build(config, result, spec, gpus, params, vision)
 
 
 def _params(cfg) -> dict:

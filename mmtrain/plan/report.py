@@ -18,7 +18,7 @@ from mmtrain.plan.gpus import GPU, MARGIN_GIB
 GIB = 2**30
 
 
-def build(config: str, trace, gpu: GPU, gpus: int, params: dict) -> dict:
+def build(config: str, trace, gpu: GPU, gpus: int, params: dict, vision: dict | None = None) -> dict:
     peak = trace.total
     comm = _comm(trace, gpu)
     flops = trace.flops
@@ -50,6 +50,7 @@ def build(config: str, trace, gpu: GPU, gpus: int, params: dict) -> dict:
                      "mfu_serial": model_flops(flops) / (step_serial * gpu.bf16_tflops * 1e12),
                      "specs": {"bf16_tflops": gpu.bf16_tflops, "hbm_tbps": gpu.hbm_tbps,
                                "intra_gbps": gpu.intra_gbps, "inter_gbps": gpu.inter_gbps}},
+        "vision": vision or {},
     }
 
 
@@ -90,7 +91,22 @@ def text(plan: dict) -> str:
                  f"{r['step_s_overlapped']:.3f} s overlapped (MFU {r['mfu_overlapped']:.1%}) .. "
                  f"{r['step_s_serial']:.3f} s serial (MFU {r['mfu_serial']:.1%}); overlap needed "
                  f"{r['overlap_needed']:.0%}")
+    lines += _vision(plan.get("vision") or {})
     return "\n".join(lines)
+
+
+def _vision(v: dict) -> list[str]:
+    """The encoder's modelled cost per rank (a n^2 + b n + c a medium), each balance mode."""
+    if not v or not v["modes"]:
+        return []
+    a, b, c = v["cost"]
+    none = v["modes"]["none"]["max"]
+    lines = [f"vision encoder cost per rank ({a:g} n^2 + {b:g} n + {c:g} a medium of n patches; "
+             f"vision.balance: {v['balance']}):"]
+    lines += [f"  {mode:<8}{'(configured)' if mode == v['balance'] else '':<14}busiest {m['max']:.3g} "
+              f"({m['max'] / none if none else 1:.0%} of none), mean {m['mean']:.3g}, busiest / mean "
+              f"{m['max_over_mean']:.2f}" for mode, m in v["modes"].items()]
+    return lines
 
 
 def _mesh(mesh: dict) -> str:

@@ -38,6 +38,7 @@ class PlanOptions:
     ep_imbalance: float = 1.0  # rows this rank's experts receive / the uniform share
     keep_rate: float | None = None  # sparse layers' kept share of the causal pairs (None: the rule's cap)
     per_node: int = 8
+    exact: bool = False  # the reference bookkeeping (torch's FSDPMemTracker) instead of tracker.py's
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Trace:
     mesh: dict = field(default_factory=dict)
     crosses: dict[str, bool] = field(default_factory=dict)  # mesh dim -> its group spans nodes
     flops: dict[str, float] = field(default_factory=dict)  # component -> FLOPs per step (flops.py)
+    media_patches: list[int] = field(default_factory=list)  # patches of each medium of the rows
 
     @property
     def total(self) -> float:
@@ -116,6 +118,7 @@ def _run_with_standin(cfg, opts: PlanOptions, fake) -> Trace:
     from mmtrain.plan.comm import CommCounter, crosses_nodes, group_names
     from mmtrain.plan.flops import component_flops
     from mmtrain.plan.standin import PlanMode, context_standin
+    from mmtrain.plan.tracker import PlanMemTracker
 
     dims = dims_for(cfg, opts.gpus, opts.rank)
     dims.dense_mesh("cpu")  # outside fake mode: the groups are real
@@ -128,7 +131,7 @@ def _run_with_standin(cfg, opts: PlanOptions, fake) -> Trace:
     counter = CommCounter(group_names(dims))
     with PlanMode(fake) if fake is not None else contextlib.nullcontext(), context_standin():
         step.warm_up()  # the first step's optimizer state
-        tracker = FSDPMemTracker(step.model, step.optimizer)
+        tracker = (FSDPMemTracker if opts.exact else PlanMemTracker)(step.model, step.optimizer)
         with tracker, counter:
             step.run(batch)
     peak = {}
@@ -140,7 +143,7 @@ def _run_with_standin(cfg, opts: PlanOptions, fake) -> Trace:
     return Trace(opts.rank, peak, _top_modules(tracker), dict(counter.calls), batch.num_tokens() // dims.cp,
                  int((batch.modality_BS != 0).sum()), batch.patches_NP.shape[0],
                  {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "ep": dims.ep},
-                 crosses_nodes(dims, opts.per_node), flops)
+                 crosses_nodes(dims, opts.per_node), flops, batch.grid_thw_M3.prod(-1).tolist())
 
 
 def _top_modules(tracker, n: int = 8) -> list[tuple[str, float]]:

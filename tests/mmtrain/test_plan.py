@@ -1,7 +1,8 @@
 """`mmtrain plan` (mmtrain/plan/): the planned peak equals the peak of the same step on real tensors
 (1 and 2 gloo ranks); its collective bytes equal bench_comm's formula (itself equal to the bytes
 counted on gloo, tests/tools/test_bench_comm.py); its FLOPs equal a count by hand; its verdict is
-the exit code; bad meshes and GPU names are one-line errors naming the key."""
+the exit code; bad meshes and GPU names are one-line errors naming the key; the fast memory
+bookkeeping (tracker.py) gives the reference's plan; the vision encoder's cost per balance mode."""
 
 from __future__ import annotations
 
@@ -95,6 +96,36 @@ def test_json_and_the_exit_code_say_whether_it_fits(monkeypatch, capsys):
     fsdp = {r["kind"] for r in plan["comm"] if r["dim"] == "fsdp"}  # 2 ranks: one group
     assert fsdp == {"all_gather", "reduce_scatter", "all_reduce"}
     assert main(["plan", TINY, "--gpus", "2", "--gpu", "h100"]) == 0
+    vision = plan["vision"]  # the encoder's cost per rank, with and without vision.balance
+    assert vision["balance"] == "none" and set(vision["modes"]) == {"none", "dp"}
+    assert "vision encoder cost per rank" in capsys.readouterr().out
+
+
+def test_the_fast_tracker_gives_the_reference_trackers_plan():
+    """tracker.py's bookkeeping (the default) against torch's FSDPMemTracker (`--exact`): the same
+    plan to the byte, per category and per module, at FSDP + EP (expert modules tracked too)."""
+    sets = ["model.decoder.vocab_size=512", "data.batch_size=2", "dist.ep=2"]
+    fast, exact = (make_plan(TINY, 2, "h100", sets, exact=e) for e in (False, True))
+    assert fast["memory"] == exact["memory"] and fast["memory"]["top_modules"]
+
+
+@pytest.mark.parametrize("cp, dp", [(1, 4), (2, 4), (4, 2)])
+def test_vision_cost_per_rank_with_and_without_balance(cp, dp):
+    """The planned rows are the same on every rank: `dp` changes nothing; `dp_cp` encodes each
+    medium once in the world, so its mean rank does 1/cp of the work every cp rank does without;
+    no mode's busiest rank does more than without balance."""
+    from mmtrain.parallel.vision_balance import VisionBalanceConfig
+    from mmtrain.plan.vision import vision_costs
+
+    media = [256, 1024, 64, 64, 576]
+    got = vision_costs(VisionBalanceConfig(balance="dp"), media, {"dp_replicate": dp, "cp": cp})["modes"]
+    none = got["none"]["max"]
+    assert none == pytest.approx(sum(1.6e-4 * n * n + n + 64 for n in media))
+    assert got["dp"]["max"] == pytest.approx(none) and got["dp"]["mean"] == pytest.approx(none)
+    assert ("dp_cp" in got) == (cp > 1)
+    if cp > 1:
+        assert got["dp_cp"]["mean"] == pytest.approx(none / cp)
+        assert none / cp <= got["dp_cp"]["max"] < none
 
 
 @pytest.mark.parametrize("args, key", [(["--gpus", "3", "--set", "dist.dp_replicate=2"], "dist.dp_replicate"),
