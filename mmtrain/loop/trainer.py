@@ -397,12 +397,13 @@ class Trainer:
         """metrics.jsonl and the progress line every step; TensorBoard's train/* on log steps."""
         weights, lr = self.balancer.weights(), self.scheduler.get_last_lr()[0]
         parts = self.grad_parts.pop()  # grad_norm/*, update_ratio/*: log steps only
-        self.log.progress(self.step, self._progress_line(s, weights))
+        eta_s = self.eta.remaining(self.step, time.monotonic() - self._t_launch)  # once: line and record
+        self.log.progress(self.step, self._progress_line(s, weights, eta_s))
         self.log.record({"step": self.step, "loss": s.loss, "task_loss": s.task_loss, "task_acc": s.task_acc,
                          "weights": weights, **s.terms, "grad_norm": s.grad_norm,
                          "lr": lr, "skipped": s.skipped, "tokens": s.tokens, "step_s": s.step_s,
                          "wall_s": time.monotonic() - self._t_launch,
-                         "eta_s": self.eta.remaining(self.step, time.monotonic() - self._t_launch),
+                         "eta_s": eta_s,
                          "wait_s": s.data_wait_s, "task_tokens": s.task_tokens,
                          **({"mix": self._mix.weights()} if self._mix is not None else {}), **s.figures,
                          **parts})
@@ -419,7 +420,7 @@ class Trainer:
         if scalars:
             self.log.scalars(self.step, scalars)
 
-    def _progress_line(self, s: StepStats, weights: dict[str, float]) -> str:
+    def _progress_line(self, s: StepStats, weights: dict[str, float], eta_s: float | None) -> str:
         short = {"text": "txt", "image_text": "img", "video_text": "vid"}
         losses = " ".join(f"{short[t]} {v:.2f}" for t, v in s.task_loss.items())
         w_info = "" if not self.balancer.signals else (  # static: nothing moves them
@@ -428,7 +429,7 @@ class Trainer:
             w_info += " | mix " + " ".join(f"{k} {v:.2f}" for k, v in self._mix.weights().items())
         unit = "tok/s/dev" if self.env.world_size > 1 else "tok/s"
         tok_s = s.tokens_per_s_per_device(self.env.world_size)
-        eta = format_eta(self.eta.remaining(self.step, time.monotonic() - self._t_launch))
+        eta = format_eta(eta_s)
         line = f"{losses}{w_info} | {tok_s:,.0f} {unit} | wait {s.wait_fraction():.0%}"
         return f"{line} | {eta}" if eta else line
 
