@@ -102,7 +102,7 @@ def _sum_chunk(x: Tensor, dim: int, comm: TPComm, kind: str) -> Tensor:
     """All-reduce then this rank's chunk: gloo has no reduce-scatter (the bytes counted are a
     reduce-scatter's, what NCCL would send)."""
     comm.count(kind, x.narrow(dim, 0, x.shape[dim] // comm.size))
-    x = x.contiguous().clone()
+    x = x.clone(memory_format=torch.contiguous_format)  # one copy, contiguous for the collective
     dist.all_reduce(x, group=comm.group)
     return x.chunk(comm.size, dim)[comm.rank].contiguous()
 
@@ -131,7 +131,7 @@ class _ReduceScatter(torch.autograd.Function):
 
 def _all_reduce(x: Tensor, comm: TPComm) -> Tensor:
     comm.count("tp_all_reduce", x)
-    x = x.contiguous().clone()
+    x = x.clone(memory_format=torch.contiguous_format)  # one copy, contiguous for the collective
     dist.all_reduce(x, group=comm.group)
     return x
 
