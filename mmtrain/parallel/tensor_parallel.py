@@ -223,7 +223,6 @@ def check_tp(cfg: RunConfig, dims: ParallelDims) -> None:
          f"model.decoder.moe.expert_dim: the shared expert's width must be a multiple of dist.tp {tp}"),
         (cfg.data.seq_len % (dims.cp * tp) == 0,
          f"data.seq_len: {cfg.data.seq_len} must be a multiple of dist.cp x dist.tp = {dims.cp * tp}"),
-        (dims.ep == 1, "dist.ep: expert parallelism with dist.tp > 1 is not implemented (use dist.ep: 1)"),
         (not cfg.dist.compile, "dist.compile: not with dist.tp > 1 (the tp collectives are not traced yet)"),
         (cfg.vision.balance == "none", "vision.balance: not with dist.tp > 1 (use vision.balance: none)"),
         # as under cp: these add whole-row forwards of their own to the training step

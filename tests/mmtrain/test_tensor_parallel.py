@@ -1,5 +1,5 @@
 """Tensor (+ sequence) parallelism on CPU with gloo (mmtrain/parallel/tensor_parallel.py): a run at
-TP(2), TP(4), FSDP(2) x TP(2) and TP(2) x CP(2) gives the losses, gradient norms and MoE expert
+TP(2), TP(4), FSDP(2) x TP(2), TP(2) x CP(2) and TP(2) x EP(2) gives the losses, gradient norms and MoE expert
 biases of one process on the same rows, over 5 steps of the tiny corpus (images, video,
 interleaved documents; MoE layers; sparse layers that select); config the TP split cannot serve is
 a one-line error naming the key.
@@ -29,6 +29,8 @@ MESHES = {  # (ranks, rows, overrides)
     "tp4": (4, 2, ["dist.tp=4", *HEADS[4]]),
     "fsdp2-tp2": (4, 2, ["dist.tp=2", *HEADS[2]]),
     "tp2-cp2": (4, 2, ["dist.tp=2", "dist.cp=2", *HEADS[2], *TILE]),
+    # each tp rank routes its own tokens within its ep group; FSDP sums the experts' grads over tp
+    "tp2-ep2": (4, 2, ["dist.tp=2", "dist.ep=2", *HEADS[2]]),
     # the recompute reissues the tp collectives; accumulation defers FSDP's (tp-summing) reduce
     "tp2-ac-accum": (2, 2, ["dist.tp=2", "dist.activation_checkpointing=true", "train.grad_accum=2",
                             *HEADS[2]]),
@@ -53,7 +55,7 @@ def _check(one: dict, tp: dict) -> None:
     assert tp["traffic"]["tp_all_gather"] > 0 and tp["traffic"]["tp_reduce_scatter"] > 0
 
 
-@pytest.mark.parametrize("mesh", ["tp2"])
+@pytest.mark.parametrize("mesh", ["tp2", "tp2-ep2"])
 def test_tensor_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
     _check(*_parity(raw_for, tmp_path, mesh))
 
