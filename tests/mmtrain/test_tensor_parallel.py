@@ -1,8 +1,8 @@
 """Tensor (+ sequence) parallelism on CPU with gloo (mmtrain/parallel/tensor_parallel.py): a run at
-TP(2), TP(4), FSDP(2) x TP(2), TP(2) x CP(2) and TP(2) x EP(2) gives the losses, gradient norms and MoE expert
-biases of one process on the same rows, over 5 steps of the tiny corpus (images, video,
-interleaved documents; MoE layers; sparse layers that select); config the TP split cannot serve is
-a one-line error naming the key.
+TP(2), TP(4), FSDP(2) x TP(2), TP(2) x CP(2), TP(2) x EP(2) and compiled TP(2) give the losses,
+gradient norms and MoE expert biases of one process on the same rows, over 5 steps of the tiny
+corpus (images, video, interleaved documents; MoE layers; sparse layers that select); config the
+TP split cannot serve is a one-line error naming the key.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ MESHES = {  # (ranks, rows, overrides)
     "tp2-cp2": (4, 2, ["dist.tp=2", "dist.cp=2", *HEADS[2], *TILE]),
     # each tp rank routes its own tokens within its ep group; FSDP sums the experts' grads over tp
     "tp2-ep2": (4, 2, ["dist.tp=2", "dist.ep=2", *HEADS[2]]),
+    # the compiled layers call the tp collectives (aot_eager: the graphs Inductor would receive)
+    "tp2-compile": (2, 2, ["dist.tp=2", "dist.compile=true", "dist.compile_backend=aot_eager", *HEADS[2]]),
     # the recompute reissues the tp collectives; accumulation defers FSDP's (tp-summing) reduce
     "tp2-ac-accum": (2, 2, ["dist.tp=2", "dist.activation_checkpointing=true", "train.grad_accum=2",
                             *HEADS[2]]),
@@ -61,7 +63,7 @@ def test_tensor_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
 
 
 @SLOW
-@pytest.mark.parametrize("mesh", ["tp4", "fsdp2-tp2", "tp2-cp2", "tp2-ac-accum"])
+@pytest.mark.parametrize("mesh", ["tp4", "fsdp2-tp2", "tp2-cp2", "tp2-ac-accum", "tp2-compile"])
 def test_tensor_parallel_meshes_match_one_process(raw_for, tmp_path, mesh):
     _check(*_parity(raw_for, tmp_path, mesh))
 
@@ -70,7 +72,6 @@ def test_tensor_parallel_meshes_match_one_process(raw_for, tmp_path, mesh):
     ([], "model.decoder.n_kv_heads"),  # the tiny model's one KV head cannot split
     ([*HEADS[2], "model.decoder.ffn_dim=63"], "model.decoder.ffn_dim"),
     ([*HEADS[2], "data.seq_len=191"], "data.seq_len"),
-    ([*HEADS[2], "dist.compile=true"], "dist.compile"),
     ([*HEADS[2], "vision.balance=dp"], "vision.balance"),
 ])
 def test_what_tp_cannot_split_is_one_line_naming_the_key(make_config, tmp_path, overrides, key):
