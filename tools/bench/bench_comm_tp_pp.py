@@ -4,6 +4,9 @@ by pipeline parallelism (activation send / recv between stages), beside bench_co
     python -m tools.bench.bench_comm_tp_pp                  # measure (tiny, gloo) + compute (base, m3)
     python -m tools.bench.bench_comm_tp_pp --part compute   # the formulas at real shapes only
 
+compute also gives EP's all-to-all and CP's K/V all-gather ceiling at the same shapes, so that
+docs/DISTRIBUTED.md ("When to choose TP, PP, EP or CP") compares the four on one footing.
+
 measure: `configs/tiny.yaml` on the built-in corpus, one real trainer step (mmtrain/loop/trainer.py)
   at TP(2) on 2 gloo ranks, with and without activation checkpointing; the bytes the trainer's own
   `Traffic` counts (mmtrain/parallel/tensor_parallel.py: what NCCL's ring would send) against
@@ -179,21 +182,47 @@ def measure_pp() -> dict:
 
 
 # ----- computed at real shapes ----------------------------------------------------------------------
+def ep_bytes(dec, tokens: float, ep: int, layers: int, act_bytes: int = 2) -> float:
+    """EP all-to-all, uniform routing, forward + backward (bench_comm.py's convention: no recompute):
+    dispatch and combine of the T x top_k x (ep - 1) / ep rows that leave a rank, per MoE layer."""
+    rows = tokens * dec.moe.top_k * (ep - 1) / ep
+    return 2 * 2 * rows * dec.dim * act_bytes * layers
+
+
+def cp_bytes(dec, tokens: float, cp: int, layers: int, ac: bool, act_bytes: int = 2) -> float:
+    """CP's ceiling: every layer all-gathers the row's K and V (the sparse layers' fetch is at most
+    this, docs/BENCHMARKS.md), reduce-scatters their gradients, and regathers in the recompute."""
+    kv = 2 * dec.n_kv_heads * (dec.dim // dec.n_heads) * act_bytes  # bytes a token of K and V
+    return (cp - 1) * tokens * kv * layers * (3 if ac else 2)  # tokens: this rank's of the row
+
+
 def compute() -> list[dict]:
+    """Per GPU per step, each dim alone beside data parallelism (the row's tokens a data slot holds:
+    data.batch_size x data.seq_len; a GPU holds L / pp layers)."""
     from mmtrain.config import load_config
     from mmtrain.run_config import RunConfig
 
     out = []
-    for name, tp, pp in (("base", 2, 2), ("m3", 2, 4)):
+    for name, tp, pp, ep, cp in (("base", 2, 2, 8, 2), ("m3", 2, 4, 32, 2)):
         cfg = load_config(RunConfig, REPO / f"configs/{name}.yaml")
         dec, rows, seq = cfg.model.decoder, cfg.data.batch_size, cfg.data.seq_len
         micro, ac = cfg.train.grad_accum, cfg.dist.activation_checkpointing
-        t = tp_bytes(dec, rows, seq, tp, cfg.dist.cp, 2, ac, micro)
-        p = pp_bytes(dec, rows, seq, tp, cfg.dist.cp, 2, micro)
-        out.append({"config": name, "tp": tp, "pp": pp, "rows": rows, "seq": seq, "dim": dec.dim,
-                    "layers": dec.n_layers, "split_ffns": split_ffns(dec), "micro": micro, "ac": ac,
-                    "tp_GiB": sum(t.values()) / 2**30, "tp_by_kind_GiB": {k: v / 2**30 for k, v in t.items()},
-                    "pp_middle_stage_MiB": p / 2**20})
+        moe_layers = sum(1 for i in range(dec.n_layers) if dec.is_moe(i))
+        t = tp_bytes(dec, rows, seq, tp, 1, 2, ac, micro)
+        GiB = 2**30
+        out.append({
+            "config": name, "rows": rows, "seq": seq, "dim": dec.dim, "layers": dec.n_layers,
+            "moe_layers": moe_layers, "micro": micro, "ac": ac,
+            f"tp{tp}_GiB (all layers)": sum(t.values()) / GiB,
+            f"tp{tp}_GiB (L / {pp} layers, beside pp {pp})": sum(t.values()) / pp / GiB,
+            f"pp{pp}_middle_stage_MiB": pp_bytes(dec, rows, seq, 1, 1, 2, micro) / 2**20,
+            f"pp{pp}_middle_stage_MiB (beside tp {tp}, SP chunk)":
+                pp_bytes(dec, rows, seq, tp, 1, 2, micro) / 2**20,
+            f"ep{ep}_GiB (all layers)": ep_bytes(dec, rows * seq * micro, ep, moe_layers) / GiB,
+            f"ep{ep}_GiB (tp {tp} pp {pp}: T / tp, L / pp)":
+                ep_bytes(dec, rows * seq * micro / tp, ep, moe_layers) / pp / GiB,
+            f"cp{cp}_GiB (all layers, all-gather ceiling)":
+                cp_bytes(dec, rows * seq * micro / cp, cp, dec.n_layers, ac) / GiB})
     return out
 
 
