@@ -171,3 +171,19 @@ def test_killed_at_one_mesh_resumed_at_the_other_continues_the_run(make_raw, tmp
     train(config, then, tp[then])
     assert f"resumed from {run / 'step_4'} at step 4" in (run / "train.log").read_text()
     assert losses(run) == pytest.approx(losses(ref), rel=1e-5, abs=0)
+
+
+@SLOW
+def test_killed_at_tp2_ep2_resumed_continues_the_run(make_raw, tmp_path):
+    """TP(2) x EP(2) on 4 ranks: the experts' (efsdp x tp, ep) shards go through DCP and back."""
+    from dist_runs import checkpoint_names, losses
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    base = ["data.batch_size=1", *HEADS[2], "dist.tp=2", "dist.ep=2"]
+    train(write_config(make_raw, ref, base), 4)
+    config = write_config(make_raw, run, base)
+    assert train(config, 4, "train.faults.kill_at_step=5", check=False).returncode != 0
+    assert checkpoint_names(run) == ["step_2", "step_4"]
+    train(config, 4)
+    assert f"resumed from {run / 'step_4'} at step 4" in (run / "train.log").read_text()
+    assert losses(run) == pytest.approx(losses(ref), rel=1e-5, abs=0)
