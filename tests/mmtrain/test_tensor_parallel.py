@@ -1,6 +1,6 @@
 """Tensor (+ sequence) parallelism on CPU with gloo (mmtrain/parallel/tensor_parallel.py): a run at
-TP(2), TP(4), FSDP(2) x TP(2), TP(2) x CP(2), TP(2) x EP(2), FSDP(2) x CP(2) x TP(2) x EP(2) and
-compiled TP(2) give the losses, gradient norms and MoE expert biases of one process on the same
+TP(2), TP(4), FSDP(2) x TP(2), TP(2) x CP(2), TP(2) x EP(2), FSDP(2) x CP(2) x TP(2) x EP(2),
+HSDP(2x2) x TP(2) x EP(2) and compiled TP(2) give the losses, gradient norms and MoE expert biases of one process on the same
 rows, over 5 steps of the tiny corpus (images, video, interleaved documents; MoE layers; sparse
 layers that select); config the TP split cannot serve is a one-line error naming the key.
 """
@@ -31,6 +31,7 @@ MESHES = {  # (ranks, rows, overrides)
     "tp2-cp2": (4, 2, ["dist.tp=2", "dist.cp=2", *HEADS[2], *TILE]),
     # each tp rank routes its own tokens within its ep group; FSDP sums the experts' grads over tp
     "tp2-ep2": (4, 2, ["dist.tp=2", "dist.ep=2", *HEADS[2]]),
+    "hsdp2x2-tp2-ep2": (8, 4, ["dist.dp_replicate=2", "dist.tp=2", "dist.ep=2", *HEADS[2]]),
     "fsdp2-cp2-tp2-ep2": (8, 2, ["dist.tp=2", "dist.cp=2", "dist.ep=2", *HEADS[2], *TILE]),
     # the compiled layers call the tp collectives (aot_eager: the graphs Inductor would receive)
     "tp2-compile": (2, 2, ["dist.tp=2", "dist.compile=true", "dist.compile_backend=aot_eager", *HEADS[2]]),
@@ -65,7 +66,7 @@ def test_tensor_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
 
 @SLOW
 @pytest.mark.parametrize("mesh", ["tp4", "fsdp2-tp2", "tp2-cp2", "tp2-ac-accum", "tp2-compile",
-                                  "fsdp2-cp2-tp2-ep2"])
+                                  "fsdp2-cp2-tp2-ep2", "hsdp2x2-tp2-ep2"])
 def test_tensor_parallel_meshes_match_one_process(raw_for, tmp_path, mesh):
     _check(*_parity(raw_for, tmp_path, mesh))
 
