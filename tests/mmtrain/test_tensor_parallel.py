@@ -1,8 +1,9 @@
 """Tensor (+ sequence) parallelism on CPU with gloo (mmtrain/parallel/tensor_parallel.py): a run at
 TP(2), TP(4), FSDP(2) x TP(2), TP(2) x CP(2), TP(2) x EP(2), FSDP(2) x CP(2) x TP(2) x EP(2),
-HSDP(2x2) x TP(2) x EP(2) and compiled TP(2) give the losses, gradient norms and MoE expert biases of one process on the same
-rows, over 5 steps of the tiny corpus (images, video, interleaved documents; MoE layers; sparse
-layers that select); config the TP split cannot serve is a one-line error naming the key.
+HSDP(2x2) x TP(2) x EP(2) and compiled TP(2) give the losses, gradient norms and MoE expert
+biases of one process on the same rows, over 5 steps of the tiny corpus (images, video,
+interleaved documents; MoE layers; sparse layers that select); config the TP split cannot serve
+is a one-line error naming the key.
 """
 
 from __future__ import annotations
