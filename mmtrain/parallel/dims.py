@@ -136,8 +136,8 @@ class ParallelDims:
 
     def expert_mesh(self, device_type: str):
         """(dp_replicate, efsdp, ep[, tp]): `ep` shards the experts, the rest is their FSDP2 mesh
-        (`expert_fsdp_mesh`). (efsdp, ep) is also flattened, so an expert gradient's norm is one
-        all-reduce, not two."""
+        (`expert_fsdp_mesh`). (efsdp, ep) is also flattened, so a DTensor op that reduces over both
+        finds one group (the gradient norm, parallelize._mesh_norm, reduces per dim: a scalar each)."""
         fresh = "expert" not in self._meshes
         tp = ((self.tp,), ("tp",)) if self.tp > 1 else ((), ())
         mesh = self._mesh(device_type, "expert", (self.dp_replicate, self.efsdp, self.ep, *tp[0]),
