@@ -4,9 +4,10 @@
                              innermost, so a tp group is neighbouring ranks, one node's fast links)
     dense mesh:   (dp_replicate, fsdp = dp_shard * cp)    FSDP2 of every non-expert parameter
                                                           (HSDP when dp_replicate > 1)
-    expert mesh:  (dp_replicate, efsdp, ep)               ep borrows ranks from dp_shard * cp
+    expert mesh:  (dp_replicate, efsdp, ep[, tp])         ep borrows ranks from dp_shard * cp
                                                           (torchtitan's way): routed experts are
                                                           Shard(0) over ep, FSDP2 over the rest
+                                                          (tp included: experts are not split)
     tp mesh:      the ranks that split every layer's heads / FFN width (mmtrain/parallel/tensor_parallel.py)
     pp mesh:      the pipeline stages
     data:         dp rank = (rank // (cp * tp)) % (dp_replicate * dp_shard); the ranks of one cp,
@@ -134,14 +135,35 @@ class ParallelDims:
                           ("dp_replicate", "dp_shard", "seq"), with_tp=False)
 
     def expert_mesh(self, device_type: str):
-        """(dp_replicate, efsdp, ep): `ep` shards the experts, the other two are their FSDP2 mesh.
-        (efsdp, ep) is also flattened, so an expert gradient's norm is one all-reduce, not two."""
+        """(dp_replicate, efsdp, ep[, tp]): `ep` shards the experts, the rest is their FSDP2 mesh
+        (`expert_fsdp_mesh`). (efsdp, ep) is also flattened, so a DTensor op that reduces over both
+        finds one group (the gradient norm, parallelize._mesh_norm, reduces per dim: a scalar each)."""
         fresh = "expert" not in self._meshes
-        mesh = self._mesh(device_type, "expert", (self.dp_replicate, self.efsdp, self.ep),
-                          ("dp_replicate", "efsdp", "ep"))
+        tp = ((self.tp,), ("tp",)) if self.tp > 1 else ((), ())
+        mesh = self._mesh(device_type, "expert", (self.dp_replicate, self.efsdp, self.ep, *tp[0]),
+                          ("dp_replicate", "efsdp", "ep", *tp[1]), with_tp=False)
         if fresh:
             mesh["efsdp", "ep"]._flatten("efsdp_ep")
         return mesh
+
+    def expert_fsdp_mesh(self, device_type: str):
+        """FSDP2's mesh for the routed experts: (dp_replicate, efsdp) (HSDP) or efsdp alone; under tp
+        efsdp x tp flattened. The experts are replicated over tp, not split (no expert-TP): sequence
+        parallelism gives each tp rank its own tokens, which it routes and dispatches in its own ep
+        group (its tp coordinate), so an expert's gradient is partial on each tp rank and FSDP2's
+        reduce-scatter must sum it over tp too, as the dense mesh's `fsdp` (tp included) does."""
+        if "expert_fsdp" not in self._meshes:
+            mesh = self.expert_mesh(device_type)
+            rep = self.dp_replicate > 1
+            if self.tp == 1:
+                part = mesh["dp_replicate", "efsdp"] if rep else mesh["efsdp"]
+            else:  # non-adjacent dims: flattened (rank order dp_replicate, efsdp, tp), then split
+                flat = mesh["dp_replicate", "efsdp", "tp"]._flatten("dp_efsdp_tp")
+                part = flat._unflatten(0, (self.dp_replicate, self.efsdp * self.tp),
+                                       ("dp_replicate", "efsdp_tp"))
+                part = part if rep else part["efsdp_tp"]
+            self._meshes["expert_fsdp"] = part
+        return self._meshes["expert_fsdp"]
 
     def cp_mesh(self, device_type: str):
         """(dp_replicate, dp_shard, cp): a `cp` group is the ranks that split the same rows."""

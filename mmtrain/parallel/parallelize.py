@@ -4,7 +4,7 @@ and `model.decoder.layers`, on the mesh of mmtrain/parallel/dims.py.
 
 Order (as torchtitan): checkpoint each block, compile each block, shard the routed experts over
 `ep` (mmtrain/parallel/expert_parallel.py), `fully_shard` each MoE layer's experts on the expert
-mesh's (dp_replicate, efsdp) part, then each block and finally the root (embeddings, the vision
+mesh's (dp_replicate, efsdp[ x tp]) part, then each block and finally the root (embeddings, the vision
 patch embedding and projector, the final norm and the LM head) on the dense (dp_replicate, fsdp)
 mesh: HSDP when dp_replicate > 1. On CUDA with bf16, FSDP2 gathers weights in bf16 and reduces
 gradients in fp32 (MixedPrecisionPolicy); the optimizer keeps fp32 shards.
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch._dynamo
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -157,7 +158,7 @@ def _apply_fsdp(model: MultimodalModel, cfg: RunConfig, dims: ParallelDims, devi
             shard_experts(moes, experts["ep"], traffic)
         except ValueError as e:
             raise UserError(str(e)) from None
-        fsdp_mesh = _fsdp_part(experts, "efsdp")
+        fsdp_mesh = dims.expert_fsdp_mesh(device.type)  # (dp_replicate, efsdp[ x tp])
         for moe in moes:
             fully_shard(moe.experts, mesh=fsdp_mesh, **kwargs)
     dense = _fsdp_part(dims.dense_mesh(device.type), "fsdp")
@@ -221,7 +222,7 @@ def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     per mesh, the squares summed. A collective for DTensors: every rank calls it alike."""
     if not tensors:
         return torch.zeros(())
-    norms = [_full(torch.nn.utils.get_total_norm(group, 2.0)) for group in _by_mesh(tensors).values()]
+    norms = [_mesh_norm(group) for group in _by_mesh(tensors).values()]
     return norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
 
 
@@ -233,6 +234,15 @@ def _by_mesh(items: list, tensor=lambda t: t) -> dict:
     return groups
 
 
-def _full(norm: torch.Tensor) -> torch.Tensor:
-    """Partial norms on each rank -> the global norm everywhere."""
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+def _mesh_norm(group: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of one mesh's tensors: the local shards' squares summed over every mesh dim that
+    shards them. By hand, not DTensor's norm: the experts' mesh under tp, (efsdp x tp, ep), has
+    dims DTensor's redistribution cannot flatten into one group (torch 2.13 raises KeyError)."""
+    if not isinstance(group[0], DTensor):
+        return torch.nn.utils.get_total_norm(group, 2.0)
+    mesh = group[0].device_mesh
+    sq = torch.nn.utils.get_total_norm([t.to_local() for t in group], 2.0).square()
+    for d in range(mesh.ndim):
+        if any(not t.placements[d].is_replicate() for t in group):
+            dist.all_reduce(sq, group=mesh.get_group(d))
+    return sq.sqrt()

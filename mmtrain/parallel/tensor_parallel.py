@@ -25,6 +25,10 @@ assembles the full gradient: no tp all-reduce, no extra scale, and the checkpoin
 one (DCP reshards across tp and fsdp alike). The price: the weights are all-gathered over tp as
 well (ZeRO-3 over tp), where Megatron's TP keeps its shard and never gathers them.
 
+Under `dist.compile` the layers are compiled before they are split (parallelize.build_model):
+Dynamo traces the patched forwards on first call, and graph-breaks at each collective (the
+call-site wrapper of mmtrain/parallel/calls.py), so a layer compiles between its collectives.
+
 The vision encoder is replicated over tp (every rank of a (cp, tp) group encodes the rows'
 media, as under CP): it is a small share of the step, and its visual tokens land in whichever
 rank's chunk holds their placeholders.
@@ -223,8 +227,6 @@ def check_tp(cfg: RunConfig, dims: ParallelDims) -> None:
          f"model.decoder.moe.expert_dim: the shared expert's width must be a multiple of dist.tp {tp}"),
         (cfg.data.seq_len % (dims.cp * tp) == 0,
          f"data.seq_len: {cfg.data.seq_len} must be a multiple of dist.cp x dist.tp = {dims.cp * tp}"),
-        (dims.ep == 1, "dist.ep: expert parallelism with dist.tp > 1 is not implemented (use dist.ep: 1)"),
-        (not cfg.dist.compile, "dist.compile: not with dist.tp > 1 (the tp collectives are not traced yet)"),
         (cfg.vision.balance == "none", "vision.balance: not with dist.tp > 1 (use vision.balance: none)"),
         # as under cp: these add whole-row forwards of their own to the training step
         (not cfg.loss.token_weighting.strength,

@@ -4,7 +4,7 @@
 trainer (its mesh, model, objective) on per-rank batches built here, then evaluates shards of
 different lengths; every data-parallel slot gets its own batch each step (ranks of a context group
 share rows, as they must): whole, a random subset of the rows, rows cut to padding from a document
-boundary in the first 1/cp of the row (the last context rank's chunk: padding only), only the
+boundary in the first 1/(cp tp) of the row (the last context rank's chunk: padding only), only the
 media-free rows, or the one-row pad batch (no medium, no routed token).
 `... mismatch OUT CASE` has rank 1 skip a collective that rank 0 calls: both must name theirs.
 """
@@ -76,7 +76,7 @@ def fuzz(config: str, seed: int, steps: int, out: str) -> None:
     cfg = load_config(RunConfig, config)
     env = init_distributed(cfg.dist, "cpu")
     trainer = Trainer(cfg, verbose=False, env=env)
-    dims, cp = trainer.dims, cfg.dist.cp
+    dims, cp = trainer.dims, trainer.dims.seq_size  # a row's chunks: the (cp, tp) group's
     it = iter(build_loader(cfg.data, trainer.tokenizer, "train", dims.dp_rank, dims.dp_size))
     log = []
     for step in range(steps):

@@ -1,8 +1,9 @@
 """Tensor (+ sequence) parallelism on CPU with gloo (mmtrain/parallel/tensor_parallel.py): a run at
-TP(2), TP(4), FSDP(2) x TP(2) and TP(2) x CP(2) gives the losses, gradient norms and MoE expert
+TP(2), TP(4), FSDP(2) x TP(2), TP(2) x CP(2), TP(2) x EP(2), FSDP(2) x CP(2) x TP(2) x EP(2),
+HSDP(2x2) x TP(2) x EP(2) and compiled TP(2) give the losses, gradient norms and MoE expert
 biases of one process on the same rows, over 5 steps of the tiny corpus (images, video,
-interleaved documents; MoE layers; sparse layers that select); config the TP split cannot serve is
-a one-line error naming the key.
+interleaved documents; MoE layers; sparse layers that select); config the TP split cannot serve
+is a one-line error naming the key.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ MESHES = {  # (ranks, rows, overrides)
     "tp4": (4, 2, ["dist.tp=4", *HEADS[4]]),
     "fsdp2-tp2": (4, 2, ["dist.tp=2", *HEADS[2]]),
     "tp2-cp2": (4, 2, ["dist.tp=2", "dist.cp=2", *HEADS[2], *TILE]),
+    # each tp rank routes its own tokens within its ep group; FSDP sums the experts' grads over tp
+    "tp2-ep2": (4, 2, ["dist.tp=2", "dist.ep=2", *HEADS[2]]),
+    "hsdp2x2-tp2-ep2": (8, 4, ["dist.dp_replicate=2", "dist.tp=2", "dist.ep=2", *HEADS[2]]),
+    "fsdp2-cp2-tp2-ep2": (8, 2, ["dist.tp=2", "dist.cp=2", "dist.ep=2", *HEADS[2], *TILE]),
+    # the compiled layers call the tp collectives (aot_eager: the graphs Inductor would receive)
+    "tp2-compile": (2, 2, ["dist.tp=2", "dist.compile=true", "dist.compile_backend=aot_eager", *HEADS[2]]),
     # the recompute reissues the tp collectives; accumulation defers FSDP's (tp-summing) reduce
     "tp2-ac-accum": (2, 2, ["dist.tp=2", "dist.activation_checkpointing=true", "train.grad_accum=2",
                             *HEADS[2]]),
@@ -53,13 +60,14 @@ def _check(one: dict, tp: dict) -> None:
     assert tp["traffic"]["tp_all_gather"] > 0 and tp["traffic"]["tp_reduce_scatter"] > 0
 
 
-@pytest.mark.parametrize("mesh", ["tp2"])
+@pytest.mark.parametrize("mesh", ["tp2", "tp2-ep2"])
 def test_tensor_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
     _check(*_parity(raw_for, tmp_path, mesh))
 
 
 @SLOW
-@pytest.mark.parametrize("mesh", ["tp4", "fsdp2-tp2", "tp2-cp2", "tp2-ac-accum"])
+@pytest.mark.parametrize("mesh", ["tp4", "fsdp2-tp2", "tp2-cp2", "tp2-ac-accum", "tp2-compile",
+                                  "fsdp2-cp2-tp2-ep2", "hsdp2x2-tp2-ep2"])
 def test_tensor_parallel_meshes_match_one_process(raw_for, tmp_path, mesh):
     _check(*_parity(raw_for, tmp_path, mesh))
 
@@ -68,7 +76,6 @@ def test_tensor_parallel_meshes_match_one_process(raw_for, tmp_path, mesh):
     ([], "model.decoder.n_kv_heads"),  # the tiny model's one KV head cannot split
     ([*HEADS[2], "model.decoder.ffn_dim=63"], "model.decoder.ffn_dim"),
     ([*HEADS[2], "data.seq_len=191"], "data.seq_len"),
-    ([*HEADS[2], "dist.compile=true"], "dist.compile"),
     ([*HEADS[2], "vision.balance=dp"], "vision.balance"),
 ])
 def test_what_tp_cannot_split_is_one_line_naming_the_key(make_config, tmp_path, overrides, key):
@@ -166,5 +173,21 @@ def test_killed_at_one_mesh_resumed_at_the_other_continues_the_run(make_raw, tmp
     assert train(config, first, "train.faults.kill_at_step=5", check=False).returncode != 0
     assert checkpoint_names(run) == ["step_2", "step_4"]
     train(config, then, tp[then])
+    assert f"resumed from {run / 'step_4'} at step 4" in (run / "train.log").read_text()
+    assert losses(run) == pytest.approx(losses(ref), rel=1e-5, abs=0)
+
+
+@SLOW
+def test_killed_at_tp2_ep2_resumed_continues_the_run(make_raw, tmp_path):
+    """TP(2) x EP(2) on 4 ranks: the experts' (efsdp x tp, ep) shards go through DCP and back."""
+    from dist_runs import checkpoint_names, losses
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    base = ["data.batch_size=1", *HEADS[2], "dist.tp=2", "dist.ep=2"]
+    train(write_config(make_raw, ref, base), 4)
+    config = write_config(make_raw, run, base)
+    assert train(config, 4, "train.faults.kill_at_step=5", check=False).returncode != 0
+    assert checkpoint_names(run) == ["step_2", "step_4"]
+    train(config, 4)
     assert f"resumed from {run / 'step_4'} at step 4" in (run / "train.log").read_text()
     assert losses(run) == pytest.approx(losses(ref), rel=1e-5, abs=0)
