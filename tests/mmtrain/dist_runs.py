@@ -124,12 +124,14 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
     stats, bias, parts = [], [], []  # the balancing bias moves by the all-reduced expert loads of each step
     for i in range(steps):
         stats.append(trainer.train_step(iter(mine[i * accum:(i + 1) * accum])))
+        trainer.refresh_replica()  # dist.pp > 1: the stages' biases into the whole replica read below
         bias.append([m.router.expert_bias_E.tolist() for m in moes])
         parts.append(trainer.grad_parts.pop())  # log_every=1: grad_norm/*, update_ratio/*
     if env.is_main:
         Path(out).write_text(json.dumps({"loss": [s.loss for s in stats],
                                          "grad_norm": [s.grad_norm for s in stats],
                                          "tokens": [s.tokens for s in stats], "expert_bias": bias,
+                                         "task_tokens": [s.task_tokens for s in stats],
                                          "traffic": trainer.traffic.sent,  # all steps (no fit)
                                          "parts": parts}))
     if env.distributed:

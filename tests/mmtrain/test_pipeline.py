@@ -230,3 +230,43 @@ def test_pipeline_refuses_loss_terms_it_cannot_run(corpus, tmp_path):
                     env=DistEnv(), device=torch.device("cpu"))
     with pytest.raises(UserError, match="loss.visual_ssl"):
         check_pipeline_objective(obj)
+
+
+# ----- the trainer at dist.pp > 1 ------------------------------------------------------------------
+TRAINER_STEPS = 5
+
+
+def _trainer_parity(raw_for, tmp_path, nproc: int, overrides: list[str], base=()) -> tuple[dict, dict]:
+    """dist_runs' parity worker (Trainer.train_step on the same global rows) in one process and at
+    `overrides` on `nproc` ranks."""
+    from dist_runs import HERE, write_config
+
+    base = ["data.batch_size=2", "train.grad_accum=2", *base]
+    runs = {}
+    for name, n, extra in (("one", 1, []), ("pp", nproc, overrides)):
+        cfg = write_config(raw_for, tmp_path / name, [*base, *extra])
+        launch([str(HERE), "parity", str(cfg), str(tmp_path / f"{name}.json"), str(TRAINER_STEPS)], nproc=n)
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    return runs["one"], runs["pp"]
+
+
+def _check_trainer_parity(one: dict, pp: dict) -> None:
+    assert pp["tokens"] == one["tokens"] and pp["task_tokens"] == one["task_tokens"]
+    seen = {t: sum(step[t] for step in one["task_tokens"]) for t in one["task_tokens"][0]}
+    assert all(n > 0 for n in seen.values()), seen  # text, images and video in the rows
+    for key in ("loss", "grad_norm"):
+        for a, b in zip(one[key], pp[key], strict=True):
+            assert _rel(a, b) < 1e-5, (key, one[key], pp[key])
+    assert len(pp["expert_bias"]) == TRAINER_STEPS and any(any(b) for b in one["expert_bias"][-1])
+    for step_one, step_pp in zip(one["expert_bias"], pp["expert_bias"], strict=True):
+        for layer_one, layer_pp in zip(step_one, step_pp, strict=True):
+            for a, b in zip(layer_one, layer_pp, strict=True):
+                assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3)
+    for a, b in zip(one["parts"], pp["parts"], strict=True):  # grad_norm/*, update_ratio/* per part
+        assert a.keys() == b.keys() and all(_rel(a[k], b[k]) < 1e-4 for k in a), (a, b)
+
+
+def test_trainer_at_pp2_matches_one_process(raw_for, tmp_path):
+    """`mmtrain train`'s step at PP(2) x 1F1B (2 ranks, gloo): the losses, gradient norms (global and
+    per part), token counts and MoE expert biases of one process on the same rows, step by step."""
+    _check_trainer_parity(*_trainer_parity(raw_for, tmp_path, 2, ["dist.pp=2"]))
