@@ -270,3 +270,66 @@ def test_trainer_at_pp2_matches_one_process(raw_for, tmp_path):
     """`mmtrain train`'s step at PP(2) x 1F1B (2 ranks, gloo): the losses, gradient norms (global and
     per part), token counts and MoE expert biases of one process on the same rows, step by step."""
     _check_trainer_parity(*_trainer_parity(raw_for, tmp_path, 2, ["dist.pp=2"]))
+
+
+# ----- checkpoints across pp, fsdp and one process ---------------------------------------------------
+def _saved_and_loaded(make_raw, tmp_path, save_nproc: int, saved_at: list[str], loaded: dict) -> dict:
+    """Train 2 steps at `saved_at` on `save_nproc` ranks, then resume the checkpoint at each of
+    `loaded` ({name: (nproc, dist overrides)}): -> {name: the full model and optimizer state}."""
+    from dist_runs import train, write_config
+    from test_tensor_parallel import _state
+
+    ref = tmp_path / "ref"
+    config = write_config(make_raw, ref, ["train.steps=2", "train.grad_accum=2", *saved_at])
+    train(config, save_nproc)
+    runs = {}
+    for name, (nproc, overrides) in loaded.items():
+        run = tmp_path / name
+        run.mkdir()
+        (run / "step_2").symlink_to(ref / "step_2", target_is_directory=True)
+        runs[name] = _state(config, run, nproc, tmp_path, overrides)
+    return runs
+
+
+@pytest.mark.parametrize("loaded", [
+    pytest.param({"one": (1, ["dist.pp=1"]), "pp2": (2, [])}, id="pp2-to-one"),
+    pytest.param({"one": (1, ["dist.pp=1"]), "fsdp2": (2, ["dist.pp=1"])}, id="pp2-to-fsdp2",
+                 marks=pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1"))])
+def test_state_saved_at_pp2_is_the_state_loaded_in_one_process_and_at_fsdp2(make_raw, tmp_path, loaded):
+    """DCP reshards the stages' state (full-model names on each stage's rank) to any mesh: the model
+    and optimizer state loaded at PP(2) itself, at FSDP(2) and in one process are one state."""
+    from test_tensor_parallel import _assert_same_state
+
+    runs = _saved_and_loaded(make_raw, tmp_path, 2, ["dist.pp=2"], loaded)
+    assert runs["one"]["step"] == 2 and runs["one"]["optim"]
+    for name in set(loaded) - {"one"}:
+        _assert_same_state(runs[name], runs["one"], f"pp2->{name}")
+
+
+@pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
+def test_state_saved_at_fsdp2_is_the_state_loaded_at_pp2(make_raw, tmp_path):
+    from test_tensor_parallel import _assert_same_state
+
+    runs = _saved_and_loaded(make_raw, tmp_path, 2, ["dist.pp=1"],
+                             {"one": (1, []), "pp2": (2, ["dist.pp=2"])})
+    _assert_same_state(runs["pp2"], runs["one"], "fsdp2->pp2")
+
+
+@pytest.mark.parametrize("first, then", [
+    pytest.param((2, "dist.pp=2"), (1, "dist.pp=1"), id="pp2-to-one"),
+    pytest.param((1, "dist.pp=1"), (2, "dist.pp=2"), id="one-to-pp2",
+                 marks=pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1"))])
+def test_killed_at_pp2_resumed_in_one_process_continues_the_run(make_raw, tmp_path, first, then):
+    """PP(2) and one process read the same rows (one data slot), so a run killed at one and resumed
+    at the other continues the uninterrupted run's losses."""
+    from dist_runs import checkpoint_names, losses, train, write_config
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    base = ["train.grad_accum=2", first[1]]
+    train(write_config(make_raw, ref, base), first[0])
+    config = write_config(make_raw, run, base)
+    assert train(config, first[0], "train.faults.kill_at_step=5", check=False).returncode != 0
+    assert checkpoint_names(run) == ["step_2", "step_4"]
+    train(config, then[0], then[1])
+    assert f"resumed from {run / 'step_4'} at step 4" in (run / "train.log").read_text()
+    assert losses(run) == pytest.approx(losses(ref), rel=1e-5, abs=0)
