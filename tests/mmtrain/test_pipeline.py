@@ -321,7 +321,7 @@ def test_state_saved_at_fsdp2_is_the_state_loaded_at_pp2(make_raw, tmp_path):
                  marks=pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1"))])
 def test_killed_at_pp2_resumed_in_one_process_continues_the_run(make_raw, tmp_path, first, then):
     """PP(2) and one process read the same rows (one data slot), so a run killed at one and resumed
-    at the other continues the uninterrupted run's losses."""
+    at the other continues the uninterrupted run's losses, and ends with its evaluation."""
     from dist_runs import checkpoint_names, losses, train, write_config
 
     ref, run = tmp_path / "ref", tmp_path / "run"
@@ -333,3 +333,31 @@ def test_killed_at_pp2_resumed_in_one_process_continues_the_run(make_raw, tmp_pa
     train(config, then[0], then[1])
     assert f"resumed from {run / 'step_4'} at step 4" in (run / "train.log").read_text()
     assert losses(run) == pytest.approx(losses(ref), rel=1e-5, abs=0)
+    # the last evaluation: at PP(2) on the replica gathered from the stages, in one process on the model
+    ends = [json.loads((r / "summary.json").read_text())["end"]["loss"] for r in (ref, run)]
+    assert ends[0].keys() == ends[1].keys()
+    assert all(_rel(ends[0][t], ends[1][t]) < 1e-5 for t in ends[0]), ends
+
+
+def test_mmtrain_under_torchrun_with_pp2_runs_evaluation_diagnostics_and_captions(make_raw, tmp_path):
+    """As a user runs it: torchrun starting the `mmtrain` console script, `--set dist.pp=2`. Training
+    runs the stages; evaluation, diagnostics (with the reliance guard's gaps) and captioning run on
+    the replica gathered from them (docs/DISTRIBUTED.md); the run ends with a checkpoint."""
+    import sys
+    from pathlib import Path
+
+    from dist_runs import write_config
+
+    run = tmp_path / "run"
+    config = write_config(make_raw, run, [
+        "train.steps=4", "train.ckpt_every=0", "train.grad_accum=2", "diagnostics.every=2",
+        "diagnostics.batches=1", "diagnostics.warmup_steps=0", "loss.balancer.kind=reliance_guard",
+        "captions.images=2", "captions.videos=1", "train.eval_batches=0", "diagnostics.probe_media=3"])
+    mmtrain = str(Path(sys.executable).parent / "mmtrain")
+    launch(["--no-python", mmtrain, "train", str(config), "--quiet", "--set", "dist.pp=2"], nproc=2)
+    diags = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in diags] == [0, 2, 4]
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary["end"]["mismatch_gap"]) == {"image_text", "video_text"}
+    assert summary["end"]["captions"]["prompts"] == 3 and (run / "step_4").is_dir()
+    assert "dp_shard=1 cp=1 ep=1 pp=2 (world 2)" in (run / "train.log").read_text()
