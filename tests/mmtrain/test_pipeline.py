@@ -361,3 +361,37 @@ def test_mmtrain_under_torchrun_with_pp2_runs_evaluation_diagnostics_and_caption
     assert set(summary["end"]["mismatch_gap"]) == {"image_text", "video_text"}
     assert summary["end"]["captions"]["prompts"] == 3 and (run / "step_4").is_dir()
     assert "dp_shard=1 cp=1 ep=1 pp=2 (world 2)" in (run / "train.log").read_text()
+
+
+MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_SLOW_TESTS=1)
+    "pp2-interleaved": (2, ["dist.pp=2", "dist.pp_schedule=Interleaved1F1B"]),
+    "pp2-zbv": (2, ["dist.pp=2", "dist.pp_schedule=ZBVZeroBubble"]),
+    "pp2-gpipe": (2, ["dist.pp=2", "dist.pp_schedule=GPipe"]),
+    "pp2-ac": (2, ["dist.pp=2", "dist.activation_checkpointing=true"]),
+    "pp2-fsdp2": (4, ["dist.pp=2"]),
+}
+
+
+@pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_trainer_at_pipeline_meshes_matches_one_process(raw_for, tmp_path, mesh):
+    nproc, overrides = MESHES[mesh]
+    _check_trainer_parity(*_trainer_parity(raw_for, tmp_path, nproc, overrides,
+                                           base=["model.decoder.n_layers=4"]))
+
+
+@pytest.mark.parametrize("overrides, world, key", [
+    (["dist.tp=2", "model.decoder.n_kv_heads=2"], 4, "dist.tp"),
+    (["dist.ep=2"], 4, "dist.ep"),
+    (["dist.cp=2", "data.seq_len=256"], 4, "dist.cp"),
+])
+def test_trainer_refuses_pipeline_meshes_it_does_not_build(corpus, tmp_path, overrides, world, key):
+    from mmtrain.parallel.dims import ParallelDims
+    from mmtrain.parallel.pipeline_model import check_pipeline_mesh
+
+    cfg = tiny_config(corpus, tmp_path / "run", ["dist.pp=2", *overrides])
+    with pytest.raises(UserError) as e:
+        check_pipeline_mesh(cfg, ParallelDims.from_config(cfg.dist, world))
+    assert key in str(e.value) and "\n" not in str(e.value)
+    fsdp = tiny_config(corpus, tmp_path / "run", ["dist.pp=2"])
+    check_pipeline_mesh(fsdp, ParallelDims.from_config(fsdp.dist, 4))  # PP(2) x FSDP(2) builds
