@@ -10,7 +10,9 @@ besides stepping is a callback (mmtrain/callbacks.py) called at fixed points:
                      (train.async_save: written in the background, committed at a later step)
           after the last step (or the time limit): eval -> checkpoint -> on_train_end(summary)
 
-One process or one torchrun rank (parallelism applied from outside: mmtrain/parallel/parallelize.py).
+One process or one torchrun rank (parallelism applied from outside: mmtrain/parallel/parallelize.py;
+at dist.pp > 1 the stages of mmtrain/parallel/pipeline_model.py, `trained`, run the step through
+mmtrain/loop/pipeline_step.py, and `model` is a whole replica gathered from them for evaluation).
 Backward runs on this rank's loss share x world size (FSDP/DDP average gradients); every rank takes
 the same decisions (skip a non-finite step, stop at the time limit) from the step's all-reduced sums.
 """
