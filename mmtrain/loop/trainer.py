@@ -91,7 +91,8 @@ class Trainer:
         self.traffic = Traffic()  # bytes the expert-parallel all-to-alls move (a callback)
         train_state.seed_everything(cfg.train.seed)  # the same initial weights on every rank
         # dist.pp > 1: `model` is a whole replica for evaluation, `trained` this rank's stages
-        self.pipeline = PipelineModel(cfg, self.env, self.device, self.dims) if self.dims.pp > 1 else None
+        self.pipeline = (PipelineModel(cfg, self.env, self.device, self.dims, self.traffic)
+                         if self.dims.pp > 1 else None)
         if self.pipeline is not None:
             self.raw_model = self.model = self.pipeline.full
         else:
@@ -369,6 +370,7 @@ class Trainer:
             batches.append(batch_to_device(next(train_iter), self.device))
             sums.wait_s += time.perf_counter() - t0
         sums.loss = self.callbacks.on_loss(self, self.pipeline_step.run(batches, sums))
+        self.pipeline.scale_expert_grads()
 
     def _skip_step(self) -> None:
         """A non-finite loss or gradient: drop the update, count it, stop if it keeps happening."""

@@ -25,6 +25,7 @@ from mmtrain.errors import UserError
 from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv, all_reduce
+from mmtrain.parallel.parallelize import scale_expert_grads
 from mmtrain.parallel.pipeline import (
     StageModel,
     build_stage_models,
@@ -39,11 +40,11 @@ Tensor = torch.Tensor
 
 def check_pipeline_mesh(cfg, dims: ParallelDims) -> None:
     """One-line refusals of the meshes the trainer's pipeline does not build (yet), naming the key."""
+    if dims.ep > 1 and cfg.model.decoder.moe is None:
+        raise UserError("dist.ep: > 1 needs MoE layers (model.decoder.moe)")
     check_pipeline_config(cfg, dims)
     if dims.tp > 1:
         raise UserError("dist.tp: not supported together with dist.pp > 1 yet; set dist.tp: 1")
-    if dims.ep > 1:
-        raise UserError("dist.ep: not supported together with dist.pp > 1 yet; set dist.ep: 1")
     if dims.cp > 1:
         raise UserError("dist.cp: not supported together with dist.pp > 1 yet; set dist.cp: 1")
 
@@ -66,7 +67,7 @@ class StageUnion(nn.Module):
 
 
 class PipelineModel:
-    def __init__(self, cfg, env: DistEnv, device: torch.device, dims: ParallelDims):
+    def __init__(self, cfg, env: DistEnv, device: torch.device, dims: ParallelDims, traffic=None):
         check_pipeline_mesh(cfg, dims)
         self.cfg, self.dims, self.device = cfg, dims, device
         model = MultimodalModel(cfg.model).to(device)  # every rank the same weights (one seed)
@@ -75,12 +76,22 @@ class PipelineModel:
         if cfg.dist.activation_checkpointing:
             checkpoint_stages(self.parts, device)
         if dims.dp_size > 1:
+            dims.dense_mesh(device.type)  # collective: every rank, whether its stages have experts or not
+            if dims.ep > 1:
+                dims.expert_mesh(device.type)
             for part in self.parts:
-                _shard_stage(part, cfg, dims, device)
+                _shard_stage(part, cfg, dims, device, traffic)
         self.module = self.parts[0] if len(self.parts) == 1 else StageUnion(self.parts)
         self.group = dims.pp_mesh(device.type).get_group()
         self.last = next((p for p in self.parts if p.is_last), self.parts[-1])  # the objective's head
         self.stale = True  # `full` lags the stages (set after every optimizer step)
+
+    @torch.no_grad()
+    def scale_expert_grads(self) -> None:
+        """The routed experts' gradients divided by ep (parallelize.scale_expert_grads, per stage)."""
+        if self.dims.ep > 1:
+            for part in self.parts:
+                scale_expert_grads(part, self.dims)
 
     def clip(self, max_norm: float) -> Tensor:
         """The gradient norm over all stages (and shards), gradients clipped to `max_norm`."""
@@ -135,8 +146,10 @@ def pp_grad_norm_of(grads: list[Tensor], group) -> Tensor:
     return sq.sqrt().float()
 
 
-def _shard_stage(part: StageModel, cfg, dims: ParallelDims, device: torch.device) -> None:
-    """FSDP2 over the pp slice's dense mesh: each vision block and decoder layer, then the stage."""
+def _shard_stage(part: StageModel, cfg, dims: ParallelDims, device: torch.device, traffic) -> None:
+    """FSDP2 over the pp slice's dense mesh: each vision block and decoder layer, then the stage;
+    with dist.ep > 1 first the routed experts Shard(0) over ep and FSDP2 over the rest (efsdp), as
+    parallelize._apply_fsdp does for the whole model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from mmtrain.parallel.parallelize import _fsdp_part
@@ -144,6 +157,16 @@ def _shard_stage(part: StageModel, cfg, dims: ParallelDims, device: torch.device
     kwargs: dict = {"reshard_after_forward": cfg.dist.reshard_after_forward}
     if device.type == "cuda" and cfg.train.dtype == "bfloat16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if dims.ep > 1 and part.moe_layers():
+        from mmtrain.parallel.expert_parallel import shard_experts
+
+        experts = dims.expert_mesh(device.type)
+        try:
+            shard_experts(list(part.moe_layers().values()), experts["ep"], traffic)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        for moe in part.moe_layers().values():
+            fully_shard(moe.experts, mesh=_fsdp_part(experts, "efsdp"), **kwargs)
     dense = _fsdp_part(dims.dense_mesh(device.type), "fsdp")
     blocks = [*(part.vision.blocks if part.vision is not None else []),
               *(part.decoder.layers[str(i)] for i in part.layer_ids)]

@@ -369,6 +369,7 @@ MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_
     "pp2-gpipe": (2, ["dist.pp=2", "dist.pp_schedule=GPipe"]),
     "pp2-ac": (2, ["dist.pp=2", "dist.activation_checkpointing=true"]),
     "pp2-fsdp2": (4, ["dist.pp=2"]),
+    "pp2-ep2": (4, ["dist.pp=2", "dist.ep=2"]),
 }
 
 
@@ -382,7 +383,7 @@ def test_trainer_at_pipeline_meshes_matches_one_process(raw_for, tmp_path, mesh)
 
 @pytest.mark.parametrize("overrides, world, key", [
     (["dist.tp=2", "model.decoder.n_kv_heads=2"], 4, "dist.tp"),
-    (["dist.ep=2"], 4, "dist.ep"),
+    (["dist.ep=2", "model.decoder.moe=null"], 4, "dist.ep"),
     (["dist.cp=2", "data.seq_len=256"], 4, "dist.cp"),
 ])
 def test_trainer_refuses_pipeline_meshes_it_does_not_build(corpus, tmp_path, overrides, world, key):
