@@ -371,15 +371,20 @@ MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_
     "pp2-ac": (2, ["dist.pp=2", "dist.activation_checkpointing=true"]),
     "pp2-fsdp2": (4, ["dist.pp=2"]),
     "pp2-ep2": (4, ["dist.pp=2", "dist.ep=2"]),
+    "pp2-dualpipev": (2, ["dist.pp=2", "dist.pp_schedule=DualPipeV", "train.grad_accum=4"]),
+    "pp4-interleaved": (4, ["dist.pp=4", "dist.pp_schedule=Interleaved1F1B", "train.grad_accum=4"]),
 }
+LAYERS = {"pp4-interleaved": 8}  # a rank's two stages x 4 ranks
 
 
 @pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_trainer_at_pipeline_meshes_matches_one_process(raw_for, tmp_path, mesh):
     nproc, overrides = MESHES[mesh]
+    layers = LAYERS.get(mesh, 4)
+    accum = [o for o in overrides if o.startswith("train.")]  # both sides
     _check_trainer_parity(*_trainer_parity(raw_for, tmp_path, nproc, overrides,
-                                           base=["model.decoder.n_layers=4"]))
+                                           base=[f"model.decoder.n_layers={layers}", *accum]))
 
 
 @pytest.mark.parametrize("overrides, world, key", [
