@@ -46,9 +46,14 @@ class Diagnostics(Callback):
             self.run(trainer)
 
     def on_step_end(self, trainer: Trainer, stats: StepStats) -> None:
-        last = trainer.step >= trainer.cfg.train.steps or stats.time_up
-        if last or trainer.step % self.cfg.every == 0:
+        if self.due(trainer, stats):
             self.run(trainer)
+
+    def due(self, trainer: Trainer, stats: StepStats | None) -> bool:
+        """Whether the hook (on_step_end with `stats`, on_train_start without) runs the pass."""
+        if stats is None:
+            return not self.history
+        return trainer.step >= trainer.cfg.train.steps or stats.time_up or trainer.step % self.cfg.every == 0
 
     def on_train_end(self, trainer: Trainer, summary: dict) -> None:
         summary["diagnostics"] = self.history[-1] if self.history else None

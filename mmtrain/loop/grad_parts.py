@@ -38,15 +38,16 @@ def part_params(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 class GradParts:
     """Holds a log step's `grad_norm/*` and `update_ratio/*` until the trainer logs them (`pop`)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, norm=None):
         self.model = model
+        self.norm = norm or global_norm  # dist.pp > 1: a stage's norm summed over the pipeline
         self.scalars: dict[str, float] = {}
 
     def measure_grads(self) -> None:
         """Each part's gradient norm (collective under FSDP: called on every rank at the same steps)."""
         for part, params in part_params(self.model).items():
             grads = [p.grad for p in params if p.grad is not None]
-            self.scalars[f"grad_norm/{part}"] = float(global_norm(grads))
+            self.scalars[f"grad_norm/{part}"] = float(self.norm(grads))
 
     @contextlib.contextmanager
     def measure_update(self, due: bool):
@@ -56,12 +57,12 @@ class GradParts:
             return
         parts = part_params(self.model)
         before = {part: [p.detach().clone() for p in params] for part, params in parts.items()}
-        norm_before = {part: global_norm(b) for part, b in before.items()}
+        norm_before = {part: self.norm(b) for part, b in before.items()}
         yield
         for part, params in parts.items():
             for b, p in zip(before[part], params):
                 b.sub_(p.detach())  # -(the update)
-            ratio = global_norm(before[part]) / norm_before[part].clamp_min(torch.finfo(torch.float32).tiny)
+            ratio = self.norm(before[part]) / norm_before[part].clamp_min(torch.finfo(torch.float32).tiny)
             self.scalars[f"update_ratio/{part}"] = float(ratio)
 
     def pop(self) -> dict[str, float]:

@@ -67,7 +67,9 @@ class ParallelDims:
         return cls(cfg.dp_replicate, dp_shard, cfg.cp, cfg.ep, world_size, rank, cfg.tp, cfg.pp)
 
     def refuse_unimplemented(self) -> None:
-        """The mesh keys that parse but have no implementation yet: one line naming the key."""
+        """The mesh keys that parse but have no implementation in the caller: one line naming the key.
+        Its callers are `build_model` (which dist.pp > 1 never reaches: the trainer builds stages,
+        mmtrain/parallel/pipeline_model.py) and `mmtrain plan`, which does not model pp."""
         for key, size in (("pp", self.pp),):
             if size > 1:
                 raise UserError(f"dist.{key}: {size} is not implemented yet (use dist.{key}: 1)")

@@ -51,7 +51,7 @@ from mmtrain.models.counting import _inactive_routed, _matmul_params, attention_
 from mmtrain.models.decoder import scatter_visual
 from mmtrain.models.moe import MoE
 from mmtrain.models.multimodal import MultimodalModel
-from mmtrain.parallel.parallelize import checkpoint_forward, global_norm, prime_probes
+from mmtrain.parallel.parallelize import _by_mesh, checkpoint_forward, global_norm, prime_probes
 
 Tensor = torch.Tensor
 
@@ -309,6 +309,8 @@ def pp_grad_norm(parts: list[nn.Module], pp_group, max_norm: float) -> Tensor:
     sq = global_norm(grads).double().square() if grads else torch.zeros((), dtype=torch.float64)
     dist.all_reduce(sq, group=pp_group)
     norm = sq.sqrt().float()
-    if max_norm:
-        torch.nn.utils.clip_grads_with_norm_([p for m in parts for p in m.parameters()], max_norm, norm)
+    if max_norm:  # per mesh: DTensors on different meshes (dense, experts) cannot meet in one op
+        params = [p for m in parts for p in m.parameters() if p.grad is not None]
+        for group in _by_mesh(params, lambda p: p.grad).values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm

@@ -124,12 +124,14 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
     stats, bias, parts = [], [], []  # the balancing bias moves by the all-reduced expert loads of each step
     for i in range(steps):
         stats.append(trainer.train_step(iter(mine[i * accum:(i + 1) * accum])))
+        trainer.refresh_replica()  # dist.pp > 1: the stages' biases into the whole replica read below
         bias.append([m.router.expert_bias_E.tolist() for m in moes])
         parts.append(trainer.grad_parts.pop())  # log_every=1: grad_norm/*, update_ratio/*
     if env.is_main:
         Path(out).write_text(json.dumps({"loss": [s.loss for s in stats],
                                          "grad_norm": [s.grad_norm for s in stats],
                                          "tokens": [s.tokens for s in stats], "expert_bias": bias,
+                                         "task_tokens": [s.task_tokens for s in stats],
                                          "traffic": trainer.traffic.sent,  # all steps (no fit)
                                          "parts": parts}))
     if env.distributed:
@@ -154,14 +156,31 @@ def state_worker(config: str, out: str) -> None:
     cfg = load_config(RunConfig, config)
     env = init_distributed(cfg.dist, "cpu")
     trainer = Trainer(cfg, verbose=False, env=env)
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model = get_model_state_dict(trainer.model, options=opts)
-    optim = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=opts)
+    # cpu_offload leaves ranks other than 0 empty: under dist.pp every rank keeps its stages' keys
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=trainer.pipeline is None)
+    model = get_model_state_dict(trainer.trained, options=opts)
+    optim = get_optimizer_state_dict(trainer.trained, trainer.optimizer, options=opts).get("state", {})
+    if trainer.pipeline is not None:  # each rank holds its stages' keys: merge them
+        model, optim = _merged(model), _merged(optim)
     if env.is_main:
-        torch.save({"step": trainer.step, "model": model, "optim": optim["state"]}, out)
+        torch.save({"step": trainer.step, "model": model, "optim": optim}, out)
     if env.distributed:
         shutdown()
         exit_now(0)
+
+
+def _merged(state: dict) -> dict:
+    """Every rank's (full, CPU) entries, merged: dist.pp > 1 state lives on the stages' ranks."""
+    import torch.distributed as dist
+
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, _cpu(state))
+    return {k: _cpu(v) for d in every for k, v in d.items()}
+
+
+def _cpu(value):
+    return {k: _cpu(v) for k, v in value.items()} if isinstance(value, dict) else \
+        value.cpu() if isinstance(value, torch.Tensor) else value
 
 
 if __name__ == "__main__":

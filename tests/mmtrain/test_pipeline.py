@@ -230,3 +230,175 @@ def test_pipeline_refuses_loss_terms_it_cannot_run(corpus, tmp_path):
                     env=DistEnv(), device=torch.device("cpu"))
     with pytest.raises(UserError, match="loss.visual_ssl"):
         check_pipeline_objective(obj)
+
+
+# ----- the trainer at dist.pp > 1 ------------------------------------------------------------------
+TRAINER_STEPS = 5
+
+
+def _trainer_parity(raw_for, tmp_path, nproc: int, overrides: list[str], base=()) -> tuple[dict, dict]:
+    """dist_runs' parity worker (Trainer.train_step on the same global rows) in one process and at
+    `overrides` on `nproc` ranks."""
+    from dist_runs import HERE, write_config
+
+    base = ["data.batch_size=2", "train.grad_accum=2", *base]
+    runs = {}
+    for name, n, extra in (("one", 1, []), ("pp", nproc, overrides)):
+        cfg = write_config(raw_for, tmp_path / name, [*base, *extra])
+        launch([str(HERE), "parity", str(cfg), str(tmp_path / f"{name}.json"), str(TRAINER_STEPS)], nproc=n)
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    return runs["one"], runs["pp"]
+
+
+def _check_trainer_parity(one: dict, pp: dict) -> None:
+    assert pp["tokens"] == one["tokens"] and pp["task_tokens"] == one["task_tokens"]
+    seen = {t: sum(step[t] for step in one["task_tokens"]) for t in one["task_tokens"][0]}
+    assert all(n > 0 for n in seen.values()), seen  # text, images and video in the rows
+    for key in ("loss", "grad_norm"):
+        for a, b in zip(one[key], pp[key], strict=True):
+            assert _rel(a, b) < 1e-5, (key, one[key], pp[key])
+    assert len(pp["expert_bias"]) == TRAINER_STEPS and any(any(b) for b in one["expert_bias"][-1])
+    for step_one, step_pp in zip(one["expert_bias"], pp["expert_bias"], strict=True):
+        for layer_one, layer_pp in zip(step_one, step_pp, strict=True):
+            for a, b in zip(layer_one, layer_pp, strict=True):
+                assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3)
+    for a, b in zip(one["parts"], pp["parts"], strict=True):  # grad_norm/*, update_ratio/* per part
+        assert a.keys() == b.keys() and all(_rel(a[k], b[k]) < 1e-4 for k in a), (a, b)
+
+
+def test_trainer_at_pp2_matches_one_process(raw_for, tmp_path):
+    """`mmtrain train`'s step at PP(2) x 1F1B (2 ranks, gloo): the losses, gradient norms (global and
+    per part), token counts and MoE expert biases of one process on the same rows, step by step."""
+    _check_trainer_parity(*_trainer_parity(raw_for, tmp_path, 2, ["dist.pp=2"]))
+
+
+# ----- checkpoints across pp, fsdp and one process ---------------------------------------------------
+def _saved_and_loaded(make_raw, tmp_path, save_nproc: int, saved_at: list[str], loaded: dict) -> dict:
+    """Train 2 steps at `saved_at` on `save_nproc` ranks, then resume the checkpoint at each of
+    `loaded` ({name: (nproc, dist overrides)}): -> {name: the full model and optimizer state}."""
+    from dist_runs import train, write_config
+    from test_tensor_parallel import _state
+
+    ref = tmp_path / "ref"
+    config = write_config(make_raw, ref, ["train.steps=2", "train.grad_accum=2", *saved_at])
+    train(config, save_nproc)
+    runs = {}
+    for name, (nproc, overrides) in loaded.items():
+        run = tmp_path / name
+        run.mkdir()
+        (run / "step_2").symlink_to(ref / "step_2", target_is_directory=True)
+        runs[name] = _state(config, run, nproc, tmp_path, overrides)
+    return runs
+
+
+@pytest.mark.parametrize("loaded", [
+    pytest.param({"one": (1, ["dist.pp=1"]), "pp2": (2, [])}, id="pp2-to-one",  # CI: the killed run's
+                 marks=pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")),
+    pytest.param({"one": (1, ["dist.pp=1"]), "fsdp2": (2, ["dist.pp=1"])}, id="pp2-to-fsdp2",
+                 marks=pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1"))])
+def test_state_saved_at_pp2_is_the_state_loaded_in_one_process_and_at_fsdp2(make_raw, tmp_path, loaded):
+    """DCP reshards the stages' state (full-model names on each stage's rank) to any mesh: the model
+    and optimizer state loaded at PP(2) itself, at FSDP(2) and in one process are one state."""
+    from test_tensor_parallel import _assert_same_state
+
+    runs = _saved_and_loaded(make_raw, tmp_path, 2, ["dist.pp=2"], loaded)
+    assert runs["one"]["step"] == 2 and runs["one"]["optim"]
+    for name in set(loaded) - {"one"}:
+        _assert_same_state(runs[name], runs["one"], f"pp2->{name}")
+
+
+@pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
+def test_state_saved_at_fsdp2_is_the_state_loaded_at_pp2(make_raw, tmp_path):
+    from test_tensor_parallel import _assert_same_state
+
+    runs = _saved_and_loaded(make_raw, tmp_path, 2, ["dist.pp=1"],
+                             {"one": (1, []), "pp2": (2, ["dist.pp=2"])})
+    _assert_same_state(runs["pp2"], runs["one"], "fsdp2->pp2")
+
+
+@pytest.mark.parametrize("first, then", [
+    pytest.param((2, "dist.pp=2"), (1, "dist.pp=1"), id="pp2-to-one"),
+    pytest.param((1, "dist.pp=1"), (2, "dist.pp=2"), id="one-to-pp2",
+                 marks=pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1"))])
+def test_killed_at_pp2_resumed_in_one_process_continues_the_run(make_raw, tmp_path, first, then):
+    """PP(2) and one process read the same rows (one data slot), so a run killed at one and resumed
+    at the other continues the uninterrupted run's losses, and ends with its evaluation."""
+    from dist_runs import checkpoint_names, losses, train, write_config
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    base = ["train.grad_accum=2", first[1]]
+    train(write_config(make_raw, ref, base), first[0])
+    config = write_config(make_raw, run, base)
+    assert train(config, first[0], "train.faults.kill_at_step=5", check=False).returncode != 0
+    assert checkpoint_names(run) == ["step_2", "step_4"]
+    train(config, then[0], then[1])
+    assert f"resumed from {run / 'step_4'} at step 4" in (run / "train.log").read_text()
+    assert losses(run) == pytest.approx(losses(ref), rel=1e-5, abs=0)
+    # the last evaluation: at PP(2) on the replica gathered from the stages, in one process on the model
+    ends = [json.loads((r / "summary.json").read_text())["end"]["loss"] for r in (ref, run)]
+    assert ends[0].keys() == ends[1].keys()
+    assert all(_rel(ends[0][t], ends[1][t]) < 1e-5 for t in ends[0]), ends
+
+
+def test_mmtrain_under_torchrun_with_pp2_runs_evaluation_diagnostics_and_captions(make_raw, tmp_path):
+    """As a user runs it: torchrun starting the `mmtrain` console script, `--set dist.pp=2`. Training
+    runs the stages; evaluation, diagnostics (with the reliance guard's gaps) and captioning run on
+    the replica gathered from them (docs/DISTRIBUTED.md); the run ends with a checkpoint."""
+    import sys
+    from pathlib import Path
+
+    from dist_runs import write_config
+
+    run = tmp_path / "run"
+    config = write_config(make_raw, run, [
+        "train.steps=4", "train.ckpt_every=0", "train.grad_accum=2", "diagnostics.every=2",
+        "diagnostics.batches=1", "diagnostics.warmup_steps=0", "loss.balancer.kind=reliance_guard",
+        "captions.images=2", "captions.videos=1", "train.eval_batches=0", "diagnostics.probe_media=3"])
+    mmtrain = str(Path(sys.executable).parent / "mmtrain")
+    launch(["--no-python", mmtrain, "train", str(config), "--quiet", "--set", "dist.pp=2"], nproc=2)
+    diags = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in diags] == [0, 2, 4]
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary["end"]["mismatch_gap"]) == {"image_text", "video_text"}
+    assert summary["end"]["captions"]["prompts"] == 3 and (run / "step_4").is_dir()
+    assert "dp_shard=1 cp=1 ep=1 pp=2 (world 2)" in (run / "train.log").read_text()
+
+
+MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_SLOW_TESTS=1)
+    "pp2-interleaved": (2, ["dist.pp=2", "dist.pp_schedule=Interleaved1F1B"]),
+    "pp2-zbv": (2, ["dist.pp=2", "dist.pp_schedule=ZBVZeroBubble"]),
+    "pp2-gpipe": (2, ["dist.pp=2", "dist.pp_schedule=GPipe"]),
+    "pp2-ac": (2, ["dist.pp=2", "dist.activation_checkpointing=true"]),
+    "pp2-fsdp2": (4, ["dist.pp=2"]),
+    "pp2-ep2": (4, ["dist.pp=2", "dist.ep=2"]),
+    "pp2-dualpipev": (2, ["dist.pp=2", "dist.pp_schedule=DualPipeV", "train.grad_accum=4"]),
+    "pp4-interleaved": (4, ["dist.pp=4", "dist.pp_schedule=Interleaved1F1B", "train.grad_accum=4"]),
+}
+LAYERS = {"pp4-interleaved": 8}  # a rank's two stages x 4 ranks
+
+
+@pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_trainer_at_pipeline_meshes_matches_one_process(raw_for, tmp_path, mesh):
+    nproc, overrides = MESHES[mesh]
+    layers = LAYERS.get(mesh, 4)
+    accum = [o for o in overrides if o.startswith("train.")]  # both sides
+    _check_trainer_parity(*_trainer_parity(raw_for, tmp_path, nproc, overrides,
+                                           base=[f"model.decoder.n_layers={layers}", *accum]))
+
+
+@pytest.mark.parametrize("overrides, world, key", [
+    (["dist.tp=2", "model.decoder.n_kv_heads=2"], 4, "dist.tp"),
+    (["dist.ep=2", "model.decoder.moe=null"], 4, "dist.ep"),
+    (["dist.cp=2", "data.seq_len=256"], 4, "dist.cp"),
+])
+def test_trainer_refuses_pipeline_meshes_it_does_not_build(corpus, tmp_path, overrides, world, key):
+    from mmtrain.parallel.dims import ParallelDims
+    from mmtrain.parallel.pipeline_model import check_pipeline_mesh
+
+    cfg = tiny_config(corpus, tmp_path / "run", ["dist.pp=2", *overrides])
+    with pytest.raises(UserError) as e:
+        check_pipeline_mesh(cfg, ParallelDims.from_config(cfg.dist, world))
+    assert key in str(e.value) and "\n" not in str(e.value)
+    fsdp = tiny_config(corpus, tmp_path / "run", ["dist.pp=2"])
+    check_pipeline_mesh(fsdp, ParallelDims.from_config(fsdp.dist, 4))  # PP(2) x FSDP(2) builds

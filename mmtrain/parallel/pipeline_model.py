@@ -1,0 +1,175 @@
+"""What the trainer holds at dist.pp > 1: this rank's stages, one module over them, an evaluation replica.
+
+    pipe = PipelineModel(cfg, env, device, dims)
+    pipe.module     # this rank's stages as one nn.Module with the full model's parameter names:
+                    # the optimizer and the checkpoint see it (DCP reshards it to any other mesh)
+    pipe.full       # a whole MultimodalModel, refreshed (`refresh`) from every stage's weights
+                    # before evaluation, diagnostics and captioning (they need whole forwards)
+    pipe.clip(max_norm) / pipe.update_moe_bias(env)   # the norm and the bias step over all stages
+
+Order (torchtitan's): split the plain model into stages (mmtrain/parallel/pipeline.py), then
+activation-checkpoint each stage's blocks, then FSDP2 each stage's blocks and the stage itself over
+its pp slice's dense mesh (dp_replicate, fsdp) when that has more than one rank. torch's
+PipelineStage drives FSDP itself: no gradient reduce before a stage's last micro-batch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mmtrain.errors import UserError
+from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.parallel.dims import ParallelDims
+from mmtrain.parallel.distributed import DistEnv, all_reduce
+from mmtrain.parallel.parallelize import scale_expert_grads
+from mmtrain.parallel.pipeline import (
+    StageModel,
+    build_stage_models,
+    check_pipeline_config,
+    checkpoint_stages,
+    gather_full_model,
+    pp_grad_norm,
+)
+
+Tensor = torch.Tensor
+
+
+def check_pipeline_mesh(cfg, dims: ParallelDims) -> None:
+    """One-line refusals of the meshes the trainer's pipeline does not build (yet), naming the key."""
+    if dims.ep > 1 and cfg.model.decoder.moe is None:
+        raise UserError("dist.ep: > 1 needs MoE layers (model.decoder.moe)")
+    check_pipeline_config(cfg, dims)
+    if dims.tp > 1:
+        raise UserError("dist.tp: not supported together with dist.pp > 1 yet; set dist.tp: 1")
+    if dims.cp > 1:
+        raise UserError("dist.cp: not supported together with dist.pp > 1 yet; set dist.cp: 1")
+
+
+class StageUnion(nn.Module):
+    """Several stages of one rank (Interleaved1F1B, V-shaped schedules) as one module whose parameter
+    names are the full model's: the stages' vision, embedding, layers, norm and head, shared."""
+
+    def __init__(self, parts: list[StageModel]):
+        super().__init__()
+        first = next((p for p in parts if p.is_first), None)
+        last = next((p for p in parts if p.is_last), None)
+        self.vision = first.vision if first is not None else None
+        self.decoder = nn.Module()
+        self.decoder.embed = first.decoder.embed if first is not None else None
+        layers = {str(i): p.decoder.layers[str(i)] for p in parts for i in p.layer_ids}
+        self.decoder.layers = nn.ModuleDict(layers)
+        self.decoder.norm = last.decoder.norm if last is not None else None
+        self.decoder.lm_head = last.decoder.lm_head if last is not None else None
+
+
+class PipelineModel:
+    def __init__(self, cfg, env: DistEnv, device: torch.device, dims: ParallelDims, traffic=None):
+        check_pipeline_mesh(cfg, dims)
+        self.cfg, self.dims, self.device = cfg, dims, device
+        model = MultimodalModel(cfg.model).to(device)  # every rank the same weights (one seed)
+        self.full = copy.deepcopy(model)  # the evaluation replica (a full copy a rank)
+        self.parts = build_stage_models(model, cfg.dist.pp_schedule, dims.pp_rank, dims.pp, cfg.data.seq_len)
+        if cfg.dist.activation_checkpointing:
+            checkpoint_stages(self.parts, device)
+        if dims.dp_size > 1:
+            dims.dense_mesh(device.type)  # collective: every rank, whether its stages have experts or not
+            if dims.ep > 1:
+                dims.expert_mesh(device.type)
+            for part in self.parts:
+                _shard_stage(part, cfg, dims, device, traffic)
+        self.module = self.parts[0] if len(self.parts) == 1 else StageUnion(self.parts)
+        self.group = dims.pp_mesh(device.type).get_group()
+        self.last = next((p for p in self.parts if p.is_last), self.parts[-1])  # the objective's head
+        self.stale = True  # `full` lags the stages (set after every optimizer step)
+
+    @torch.no_grad()
+    def scale_expert_grads(self) -> None:
+        """The routed experts' gradients divided by ep (parallelize.scale_expert_grads, per stage)."""
+        if self.dims.ep > 1:
+            for part in self.parts:
+                scale_expert_grads(part, self.dims)
+
+    def clip(self, max_norm: float) -> Tensor:
+        """The gradient norm over all stages (and shards), gradients clipped to `max_norm`."""
+        return pp_grad_norm(self.parts, self.group, max_norm).detach()
+
+    def part_norm(self, grads: list[Tensor]) -> Tensor:
+        """The norm of a part's gradients (grad_parts.py) summed over the stages."""
+        return pp_grad_norm_of(grads, self.group)
+
+    def update_moe_bias(self, env: DistEnv) -> None:
+        """The balancing bias step of each stage's MoE layers from the load of every rank: an (L, E)
+        count each rank fills at its own layers, summed over the world (a layer lives on one stage of
+        a pipeline, so the sum is its load over the data ranks, as in one process)."""
+        self.stale = True  # the optimizer step moved the weights
+        dec = self.cfg.model.decoder
+        if not any(dec.is_moe(i) for i in range(dec.n_layers)):
+            return
+        moes = {i: m for p in self.parts for i, m in p.moe_layers().items()}
+        load_LE = torch.zeros(dec.n_layers, dec.moe.n_routed, dtype=torch.int64, device=self.device)
+        for i, moe in moes.items():
+            load_LE[i] = moe.load_E
+        all_reduce(load_LE, env)
+        for i, moe in moes.items():
+            moe.update_bias(load_LE[i])
+
+    def refresh(self) -> MultimodalModel:
+        """`full` loaded with every stage's current weights (a collective over the pipeline group)."""
+        if self.stale:
+            gather_full_model([_Unsharded(p) for p in self.parts], self.group, self.full)
+            self.stale = False
+        return self.full
+
+
+class _Unsharded:
+    """A stage's state dict with FSDP2 shards gathered (a collective over the stage's dense mesh)."""
+
+    def __init__(self, part: nn.Module):
+        self.part = part
+
+    def state_dict(self) -> dict:
+        state = self.part.state_dict()
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def pp_grad_norm_of(grads: list[Tensor], group) -> Tensor:
+    import torch.distributed as dist
+
+    from mmtrain.parallel.parallelize import global_norm
+
+    sq = global_norm(grads).double().square() if grads else torch.zeros((), dtype=torch.float64)
+    dist.all_reduce(sq, group=group)
+    return sq.sqrt().float()
+
+
+def _shard_stage(part: StageModel, cfg, dims: ParallelDims, device: torch.device, traffic) -> None:
+    """FSDP2 over the pp slice's dense mesh: each vision block and decoder layer, then the stage;
+    with dist.ep > 1 first the routed experts Shard(0) over ep and FSDP2 over the rest (efsdp), as
+    parallelize._apply_fsdp does for the whole model."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from mmtrain.parallel.parallelize import _fsdp_part
+
+    kwargs: dict = {"reshard_after_forward": cfg.dist.reshard_after_forward}
+    if device.type == "cuda" and cfg.train.dtype == "bfloat16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if dims.ep > 1 and part.moe_layers():
+        from mmtrain.parallel.expert_parallel import shard_experts
+
+        experts = dims.expert_mesh(device.type)
+        try:
+            shard_experts(list(part.moe_layers().values()), experts["ep"], traffic)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        for moe in part.moe_layers().values():
+            fully_shard(moe.experts, mesh=_fsdp_part(experts, "efsdp"), **kwargs)
+    dense = _fsdp_part(dims.dense_mesh(device.type), "fsdp")
+    blocks = [*(part.vision.blocks if part.vision is not None else []),
+              *(part.decoder.layers[str(i)] for i in part.layer_ids)]
+    for block in blocks:
+        fully_shard(block, mesh=dense, **kwargs)
+    fully_shard(part, mesh=dense, **{**kwargs, "reshard_after_forward": None})
