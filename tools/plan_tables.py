@@ -25,6 +25,7 @@ ROWS = [  # (config, gpus, --set pairs): each config at its intended mesh
     ("long", 256, ["dist.dp_replicate=8", "dist.cp=32", "data.seq_len=1048576"]),
     ("m3", 256, []),
 ]
+SMALL_ROWS = [("tiny", 2, []), ("video_heavy", 2, [])]  # the test configs: planned (CI), not tabled
 GB = 1e9
 GIB = 2**30
 
@@ -34,10 +35,19 @@ def command(name: str, gpus: int, sets: list[str]) -> str:
     return " ".join([head, *(f"--set {s}" for s in sets)])
 
 
-def plans() -> list[tuple[str, dict]]:
+def plans(rows=None, seconds: list | None = None) -> list[tuple[str, dict]]:
+    """[(command, plan)] of `rows` (default ROWS); `seconds` gets each plan's CPU seconds."""
+    import time
+
     from mmtrain.plan.cli import make_plan
 
-    return [(command(n, g, s), make_plan(str(REPO / "configs" / f"{n}.yaml"), g, GPU, s)) for n, g, s in ROWS]
+    out = []
+    for n, g, s in ROWS if rows is None else rows:
+        start = time.process_time()
+        out.append((command(n, g, s), make_plan(str(REPO / "configs" / f"{n}.yaml"), g, GPU, s)))
+        if seconds is not None:
+            seconds.append(time.process_time() - start)
+    return out
 
 
 def _mesh(plan: dict) -> str:

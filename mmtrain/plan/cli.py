@@ -24,8 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows this rank's experts receive / the uniform share (EP)")
     parser.add_argument("--keep-rate", type=float, default=None,
                         help="sparse layers' kept share of the causal pairs (default: the rule's cap)")
-    parser.add_argument("--exact", action="store_true", help="torch's own memory bookkeeping (the "
-                        "reference of the fast one; the same numbers, slower)")
+    parser.add_argument("--exact", action="store_true", help="every layer traced, under torch's own "
+                        "memory bookkeeping (the reference of the fast plan: one layer per kind traced "
+                        "and scaled, mmtrain/plan/layers.py; slower)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -39,7 +40,10 @@ def run(args: argparse.Namespace) -> int:
     return 0 if plan["memory"]["fits"] else NO_FIT
 
 
-def make_plan(config: str, gpus: int, gpu_name: str, overrides=(), **options) -> dict:
+def make_plan(config: str, gpus: int, gpu_name: str, overrides=(), scaled: bool | None = None,
+              **options) -> dict:
+    """scaled: trace one layer per kind and scale (layers.py); None: when that traces fewer blocks
+    (never with exact=True, the reference path)."""
     from mmtrain.config import load_config
     from mmtrain.errors import UserError
     from mmtrain.plan import report
@@ -56,7 +60,12 @@ def make_plan(config: str, gpus: int, gpu_name: str, overrides=(), **options) ->
     if not 0 <= options.get("rank", 0) < gpus:
         raise UserError(f"--rank: must be in [0, {gpus}) (got {options['rank']})")
     params = _params(cfg)
-    result = trace(cfg, PlanOptions(gpus=gpus, per_node=spec.per_node, **options))
+    from mmtrain.plan.layers import scaled_trace, worth_it
+
+    opts = PlanOptions(gpus=gpus, per_node=spec.per_node, **options)
+    if scaled is None:
+        scaled = not opts.exact and worth_it(cfg)
+    result = scaled_trace(cfg, opts) if scaled else trace(cfg, opts)
     from mmtrain.plan.vision import vision_costs
 
     vision = vision_costs(cfg.vision, result.media_patches, result.mesh)

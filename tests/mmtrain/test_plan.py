@@ -109,6 +109,22 @@ def test_the_fast_tracker_gives_the_reference_trackers_plan():
     assert fast["memory"] == exact["memory"] and fast["memory"]["top_modules"]
 
 
+def test_one_layer_per_kind_scaled_is_the_full_trace():
+    """layers.py (the default for large configs): the reduced models' traces scaled to 6 decoder
+    layers (three kinds, one of them 3 times) and 3 vision blocks give the full trace's plan: the
+    peak per category within 1% (measured: to the byte), collectives and FLOPs equal."""
+    sets = ["model.decoder.vocab_size=512", "data.batch_size=2", "dist.ep=2", "model.decoder.n_layers=6",
+            "model.vision.depth=3"]
+    full, fast = (make_plan(TINY, 2, "h100", sets, scaled=s) for s in (False, True))
+    for cat, nbytes in full["memory"]["by_category"].items():
+        assert fast["memory"]["by_category"][cat] == pytest.approx(nbytes, rel=0.01, abs=1024), cat
+    assert fast["memory"]["peak_bytes"] == pytest.approx(full["memory"]["peak_bytes"], rel=0.01)
+    assert [(c["dim"], c["kind"], c["calls"]) for c in fast["comm"]] == \
+        [(c["dim"], c["kind"], c["calls"]) for c in full["comm"]]
+    assert [c["bytes"] for c in fast["comm"]] == pytest.approx([c["bytes"] for c in full["comm"]], rel=1e-12)
+    assert fast["flops"]["by_component"] == pytest.approx(full["flops"]["by_component"], rel=1e-12)
+
+
 @pytest.mark.parametrize("cp, dp", [(1, 4), (2, 4), (4, 2)])
 def test_vision_cost_per_rank_with_and_without_balance(cp, dp):
     """The planned rows are the same on every rank: `dp` changes nothing; `dp_cp` encodes each
