@@ -117,7 +117,7 @@ def _run_with_standin(cfg, opts: PlanOptions, fake) -> Trace:
     from mmtrain.plan.batch import plan_batch
     from mmtrain.plan.comm import CommCounter, crosses_nodes, group_names
     from mmtrain.plan.flops import component_flops
-    from mmtrain.plan.standin import PlanMode, context_standin
+    from mmtrain.plan.standin import PlanMode, context_standin, vision_group
     from mmtrain.plan.tracker import PlanMemTracker
 
     dims = dims_for(cfg, opts.gpus, opts.rank)
@@ -128,7 +128,11 @@ def _run_with_standin(cfg, opts: PlanOptions, fake) -> Trace:
         dims.cp_mesh("cpu")
     step = _Step(cfg, dims, fake, opts)
     batch = plan_batch(cfg, fake, opts.visual_frac)
-    counter = CommCounter(group_names(dims))
+    names, crosses = group_names(dims), crosses_nodes(dims, opts.per_node)
+    if (group := vision_group(step.model)) is not None:  # vision.balance's exchanges and grid gathers
+        names[group.group_name] = "vision"
+        crosses["vision"] = len({r // opts.per_node for r in dist.get_process_group_ranks(group)}) > 1
+    counter = CommCounter(names)
     with PlanMode(fake) if fake is not None else contextlib.nullcontext(), context_standin():
         step.warm_up()  # the first step's optimizer state
         tracker = (FSDPMemTracker if opts.exact else PlanMemTracker)(step.model, step.optimizer)
@@ -139,11 +143,12 @@ def _run_with_standin(cfg, opts: PlanOptions, fake) -> Trace:
         if ref in CATEGORIES:
             peak[CATEGORIES[ref]] = peak.get(CATEGORIES[ref], 0) + nbytes
     flops = component_flops(step.model, batch, cfg.train.grad_accum, opts.keep_rate,
-                            cfg.dist.activation_checkpointing, dims.cp)
+                            cfg.dist.activation_checkpointing, dims.cp,
+                            getattr(step.model.encode_media, "encoded", None))
     return Trace(opts.rank, peak, _top_modules(tracker), dict(counter.calls), batch.num_tokens() // dims.cp,
                  int((batch.modality_BS != 0).sum()), batch.patches_NP.shape[0],
                  {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "ep": dims.ep},
-                 crosses_nodes(dims, opts.per_node), flops, batch.grid_thw_M3.prod(-1).tolist())
+                 crosses, flops, batch.grid_thw_M3.prod(-1).tolist())
 
 
 def _top_modules(tracker, n: int = 8) -> list[tuple[str, float]]:
@@ -162,7 +167,7 @@ class _Step:
         from mmtrain.parallel.context_parallel import context_shard
         from mmtrain.parallel.distributed import DistEnv
         from mmtrain.parallel.parallelize import prime_probes
-        from mmtrain.plan.standin import plan_dispatchers
+        from mmtrain.plan.standin import plan_dispatchers, plan_vision_balance
 
         prime_probes(torch.device("cpu"))  # grouped_mm's probe runs real tensors: before fake mode
         cfg.model.decoder.attention.backend = "plan"
@@ -177,6 +182,7 @@ class _Step:
                 self.model.init_weights()
             self.optimizer = build_optimizer(self.model, cfg.optim)
         plan_dispatchers(self.model, opts.ep_imbalance)
+        plan_vision_balance(self.model, cfg, dims)  # vision.balance: the trainer's balancer
         from mmtrain.data_pipelines.batch import TASK_NAMES
 
         balancer = build_balancer(cfg.loss.balancer, {t: getattr(cfg.loss, t) for t in TASK_NAMES})
