@@ -125,6 +125,19 @@ def test_one_layer_per_kind_scaled_is_the_full_trace():
     assert fast["flops"]["by_component"] == pytest.approx(full["flops"]["by_component"], rel=1e-12)
 
 
+def test_vision_balance_is_traced():
+    """vision.balance dp_cp at cp 2 (4 ranks): the plan runs the trainer's balancer, so each medium
+    is encoded once in the world instead of on both cp ranks: this rank's ViT FLOPs halve (the
+    plan's rows are the same on every rank: LPT splits them evenly), its peak drops, and the
+    exchanges appear as `vision` traffic; without balancing there is none."""
+    sets = ["model.decoder.vocab_size=512", "data.batch_size=2", "dist.cp=2"]
+    off, on = (make_plan(TINY, 4, "h100", [*sets, f"vision.balance={b}"]) for b in ("none", "dp_cp"))
+    assert on["flops"]["by_component"]["vit"] == off["flops"]["by_component"]["vit"] / 2
+    assert on["memory"]["peak_bytes"] < off["memory"]["peak_bytes"]
+    vision = {c["kind"]: c["bytes"] for c in on["comm"] if c["dim"] == "vision"}
+    assert vision["all_to_all"] > 0 and not any(c["dim"] == "vision" for c in off["comm"])
+
+
 @pytest.mark.parametrize("cp, dp", [(1, 4), (2, 4), (4, 2)])
 def test_vision_cost_per_rank_with_and_without_balance(cp, dp):
     """The planned rows are the same on every rank: `dp` changes nothing; `dp_cp` encodes each
