@@ -105,6 +105,7 @@ def _extrapolated(base, extra: list, cfg):
     flops = _scale(base.flops, [(t.flops, m) for t, m in extra])
     out = copy.copy(base)
     out.peak, out.flops = peak, flops
+    out.own_counts = _scale(base.own_counts, [(t.own_counts, m) for t, m in extra])
     out.comm = {k: [comm_calls[k], comm_bytes[k]] for k in comm_calls}
     added = sum(peak.values()) - base.total
     out.modules = [(_real_name(name, cfg), b + added) for name, b in base.modules]

@@ -54,6 +54,7 @@ class Trace:
     crosses: dict[str, bool] = field(default_factory=dict)  # mesh dim -> its group spans nodes
     flops: dict[str, float] = field(default_factory=dict)  # component -> FLOPs per step (flops.py)
     media_patches: list[int] = field(default_factory=list)  # patches of each medium of the rows
+    own_counts: dict[str, int] = field(default_factory=dict)  # the trainer's own Traffic (tp: its kinds)
 
     @property
     def total(self) -> float:
@@ -94,7 +95,9 @@ def dims_for(cfg, gpus: int, rank: int = 0):
     dims = ParallelDims.from_config(cfg.dist, gpus, rank)
     dims.refuse_unimplemented()
     if dims.tp > 1:
-        raise UserError("dist.tp: mmtrain plan does not model tensor parallelism yet")
+        from mmtrain.parallel.tensor_parallel import check_tp
+
+        check_tp(cfg, dims)  # the trainer's rules, one line naming the key
     if dims.ep > 1 and cfg.model.decoder.moe is None:
         raise UserError("dist.ep: > 1 needs MoE layers (model.decoder.moe)")
     if dims.ep > 1 and cfg.model.decoder.moe.n_routed % dims.ep:
@@ -126,6 +129,8 @@ def _run_with_standin(cfg, opts: PlanOptions, fake) -> Trace:
         dims.expert_mesh("cpu")
     if dims.cp > 1:
         dims.cp_mesh("cpu")
+    if dims.tp > 1:
+        dims.tp_mesh("cpu"), dims.seq_mesh("cpu")
     step = _Step(cfg, dims, fake, opts)
     batch = plan_batch(cfg, fake, opts.visual_frac)
     names, crosses = group_names(dims), crosses_nodes(dims, opts.per_node)
@@ -143,12 +148,14 @@ def _run_with_standin(cfg, opts: PlanOptions, fake) -> Trace:
         if ref in CATEGORIES:
             peak[CATEGORIES[ref]] = peak.get(CATEGORIES[ref], 0) + nbytes
     flops = component_flops(step.model, batch, cfg.train.grad_accum, opts.keep_rate,
-                            cfg.dist.activation_checkpointing, dims.cp,
+                            cfg.dist.activation_checkpointing, dims.seq_size,
                             getattr(step.model.encode_media, "encoded", None))
-    return Trace(opts.rank, peak, _top_modules(tracker), dict(counter.calls), batch.num_tokens() // dims.cp,
+    return Trace(opts.rank, peak, _top_modules(tracker), dict(counter.calls),
+                 batch.num_tokens() // dims.seq_size,
                  int((batch.modality_BS != 0).sum()), batch.patches_NP.shape[0],
-                 {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "ep": dims.ep},
-                 crosses, flops, batch.grid_thw_M3.prod(-1).tolist())
+                 {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "ep": dims.ep,
+                  "tp": dims.tp},
+                 crosses, flops, batch.grid_thw_M3.prod(-1).tolist(), dict(step.traffic.sent))
 
 
 def _top_modules(tracker, n: int = 8) -> list[tuple[str, float]]:
@@ -174,7 +181,10 @@ class _Step:
         self.cfg, self.dims, self.fake = cfg, dims, fake
         self.env = DistEnv(opts.rank, opts.gpus, opts.rank % 8, min(opts.gpus, 8))
         cuda_bf16 = cfg.train.device == "cuda" and cfg.train.dtype == "bfloat16"
-        self.model = _parallelized(cfg, dims, cuda_bf16)
+        from mmtrain.parallel.comm import Traffic
+
+        self.traffic = Traffic()  # what the trainer's own layers count (tp), beside comm.py's count
+        self.model = _parallelized(cfg, dims, cuda_bf16, self.traffic)
         with fake or contextlib.nullcontext():  # fake: parameters, gradients, optimizer state too
             self.model.to_empty(device="cpu")
             if fake is None:
@@ -219,7 +229,7 @@ class _Step:
         self.model.update_moe_bias(lambda t: dist.all_reduce(t))
 
 
-def _parallelized(cfg, dims, cuda_bf16: bool):
+def _parallelized(cfg, dims, cuda_bf16: bool, traffic=None):
     """parallelize.build_model's FSDP path as on CUDA with meta_init: built and sharded on the meta
     device (DTensor sharding does not run on fake tensors), then `to_empty` (under fake mode)."""
     from mmtrain.models.multimodal import MultimodalModel
@@ -234,5 +244,9 @@ def _parallelized(cfg, dims, cuda_bf16: bool):
         for blocks in block_lists(model):
             for block in blocks:
                 checkpoint_forward(block)
+    if dims.tp > 1:  # the trainer's order: checkpointing, tp, then FSDP
+        from mmtrain.parallel.tensor_parallel import apply_tp
+
+        apply_tp(model, dims, torch.device("cpu"), cfg.data.seq_len, traffic)
     _apply_fsdp(model, cfg, dims, _CudaType if cuda_bf16 else torch.device("cpu"), None)
     return model

@@ -138,6 +138,23 @@ def test_vision_balance_is_traced():
     assert vision["all_to_all"] > 0 and not any(c["dim"] == "vision" for c in off["comm"])
 
 
+def test_tp_traffic_equals_the_tp_layers_own_count():
+    """TP(2) x FSDP(2): the plan applies the trainer's apply_tp; the collectives it sees on the tp
+    group are those tensor_parallel.py counts for itself (its Traffic, the bytes `train` logs):
+    the all-gathers (activations and rotary angles) to the byte, and its reduce-scatters, issued
+    as an all-reduce then a chunk, at an all-reduce's wire bytes, 2x the reduce-scatter's it
+    counts."""
+    from mmtrain.plan.trace import PlanOptions, trace
+
+    cfg = load_config(RunConfig, TINY, ["model.decoder.vocab_size=512", "data.batch_size=2", "dist.tp=2"])
+    t = trace(cfg, PlanOptions(gpus=4))
+    tp = {kind: nbytes for (dim, kind), (_, nbytes) in t.comm.items() if dim == "tp"}
+    own = t.own_counts
+    assert tp["all_gather"] == own["tp_all_gather"] + own["tp_rotary_all_gather"] > 0
+    assert tp["all_reduce"] == 2 * own["tp_reduce_scatter"] > 0
+    assert t.tokens == cfg.data.batch_size * cfg.data.seq_len // 2 and t.mesh["tp"] == 2
+
+
 @pytest.mark.parametrize("cp, dp", [(1, 4), (2, 4), (4, 2)])
 def test_vision_cost_per_rank_with_and_without_balance(cp, dp):
     """The planned rows are the same on every rank: `dp` changes nothing; `dp_cp` encodes each
