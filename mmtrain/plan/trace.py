@@ -55,6 +55,7 @@ class Trace:
     flops: dict[str, float] = field(default_factory=dict)  # component -> FLOPs per step (flops.py)
     media_patches: list[int] = field(default_factory=list)  # patches of each medium of the rows
     own_counts: dict[str, int] = field(default_factory=dict)  # the trainer's own Traffic (tp: its kinds)
+    pipeline: dict = field(default_factory=dict)  # pp > 1: the rank's stages and schedule (pipe.py)
 
     @property
     def total(self) -> float:
@@ -93,7 +94,10 @@ def dims_for(cfg, gpus: int, rank: int = 0):
     from mmtrain.parallel.dims import ParallelDims
 
     dims = ParallelDims.from_config(cfg.dist, gpus, rank)
-    dims.refuse_unimplemented()
+    if dims.pp > 1:  # the plan traces a rank's stages itself (pipe.py): no refusal of pp here
+        from mmtrain.parallel.pipeline import check_pipeline_config
+
+        check_pipeline_config(cfg, dims)
     if dims.tp > 1:
         from mmtrain.parallel.tensor_parallel import check_tp
 

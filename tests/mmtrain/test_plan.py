@@ -155,6 +155,28 @@ def test_tp_traffic_equals_the_tp_layers_own_count():
     assert t.tokens == cfg.data.batch_size * cfg.data.seq_len // 2 and t.mesh["tp"] == 2
 
 
+def test_pipeline_stages_cover_the_layers_once():
+    """PP(2) x FSDP(2), 1F1B, 2 micro-batches: the two stages' traced decoder FLOPs add up to the
+    unpipelined plan's on the same 2 data ranks, x 2 micro-batches (the trainer's split holds every
+    layer once; the unpipelined plan traces one micro-batch: FSDPMemTracker takes one), each
+    stage sends one residual stream (fp32 B x S x D + the (2,) aux losses) a micro-batch (a hand
+    count), and the bubble is (pp - 1) / (m + pp - 1) = 1/3."""
+    sets = ["model.decoder.vocab_size=512", "data.batch_size=2"]
+    piped = [*sets, "dist.pp=2", "train.grad_accum=2"]
+    first, last = (make_plan(TINY, 4, "h100", piped, rank=r) for r in (0, 2))
+    flat = make_plan(TINY, 2, "h100", sets)
+    layers = ("full attention", "sparse attention", "dense ffn", "moe experts", "shared experts", "router")
+    for k in layers:
+        assert first["flops"]["by_component"][k] + last["flops"]["by_component"][k] == \
+            pytest.approx(2 * flat["flops"]["by_component"][k], rel=1e-9), k
+    cfg = load_config(RunConfig, TINY, sets)
+    h = 2 * cfg.data.batch_size * cfg.data.seq_len * cfg.model.decoder.dim * 4 + 2 * 2 * 4  # 2 micro-batches
+    for plan in (first, last):
+        pp = [c for c in plan["comm"] if c["dim"] == "pp"]
+        assert [(c["calls"], c["bytes"]) for c in pp] == [(2, h)]
+        assert plan["pipeline"]["bubble"] == pytest.approx(1 / 3) and plan["mesh"]["pp"] == 2
+
+
 @pytest.mark.parametrize("cp, dp", [(1, 4), (2, 4), (4, 2)])
 def test_vision_cost_per_rank_with_and_without_balance(cp, dp):
     """The planned rows are the same on every rank: `dp` changes nothing; `dp_cp` encodes each
