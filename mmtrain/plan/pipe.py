@@ -7,7 +7,8 @@ outermost mesh dim, so a stage's dp ranks are a contiguous block), one micro-bat
 usual trace (one layer per kind, scaled). Stated, not traced:
 
 - every stage is traced holding the vision encoder, the embedding and the LM head (only stage 0 /
-  the last stage hold them): an upper bound for the other stages' memory (m3: < 1 GiB of state);
+  the last stage hold them): an upper bound for the other stages' memory; their FLOPs are
+  counted only on the stages that hold them;
 - memory: the traced micro-batch's activations x the micro-batches in flight at the peak (GPipe:
   all `grad_accum`; 1F1B and the looped / V schedules: pp - stage for the rank's first stage,
   at most `grad_accum`);
@@ -62,7 +63,10 @@ def pipelined(trace, info: dict, cfg, dims, per_node: int):
     """The traced stage's Trace -> the rank's under the schedule (module docstring)."""
     out = copy.copy(trace)
     m = info["microbatches"]
-    out.flops = {k: v * m for k, v in trace.flops.items()}
+    n = info["n_stages"]
+    absent = ({"vit"} if 0 not in info["stages"] else set()) | \
+        ({"lm head", "visual head"} if n - 1 not in info["stages"] else set())  # not on this rank's stages
+    out.flops = {k: 0.0 if k in absent else v * m for k, v in trace.flops.items()}
     out.comm = {k: [c * m, b * m] if k[1] in PER_MB else list(v) for k, v in trace.comm.items()
                 for c, b in [v]}
     out.peak = dict(trace.peak)
@@ -70,7 +74,6 @@ def pipelined(trace, info: dict, cfg, dims, per_node: int):
     cuda_bf16 = cfg.train.device == "cuda" and cfg.train.dtype == "bfloat16"
     width = 2 if cuda_bf16 else 4
     h = cfg.data.batch_size * (cfg.data.seq_len // dims.seq_size) * cfg.model.decoder.dim * width + 2 * 4
-    n = info["n_stages"]
     sends = sum((s < n - 1) + (s > 0) for s in info["stages"]) * m  # forward out, backward out
     out.comm[("pp", "send_recv")] = [sends, float(sends * h)]
     out.mesh = {**trace.mesh, "pp": dims.pp}
