@@ -17,8 +17,10 @@ pytestmark = pytest.mark.slow
 NO_FIT = {  # rows that show why a setting is what it is, and must not fit
     ("dist.dp_replicate=8", "dist.activation_checkpointing=false"),  # why checkpointing is on
     # 1M tokens: the ViT encodes the row's 512 images on each of the 32 cp ranks (154 GiB a rank);
-    # vision.balance dp_cp would encode each once (the plan's vision cost: 1/32), not yet traced
+    # vision.balance dp_cp encodes each once (the plan traces it: --set vision.balance=dp_cp)
     ("dist.dp_replicate=8", "dist.cp=32", "data.seq_len=1048576"),
+    # m3 at TP2 x PP4 without EP: every GPU gathers a MoE layer's 128 experts (why M3 uses EP32)
+    ("dist.tp=2", "dist.pp=4", "dist.ep=1", "train.grad_accum=16"),
 }
 
 
