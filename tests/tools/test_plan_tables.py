@@ -13,7 +13,7 @@ import pytest
 from tools import plan_tables
 from tools.plan_tables import BEGIN, END, REPO, ROWS, SMALL_ROWS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # ten rows: ~4-5 min, more on busy cores
 NO_FIT = {  # rows that show why a setting is what it is, and must not fit
     ("dist.dp_replicate=8", "dist.activation_checkpointing=false"),  # why checkpointing is on
     # 1M tokens: the ViT encodes the row's 512 images on each of the 32 cp ranks (154 GiB a rank);
