@@ -24,8 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows this rank's experts receive / the uniform share (EP)")
     parser.add_argument("--keep-rate", type=float, default=None,
                         help="sparse layers' kept share of the causal pairs (default: the rule's cap)")
-    parser.add_argument("--exact", action="store_true", help="torch's own memory bookkeeping (the "
-                        "reference of the fast one; the same numbers, slower)")
+    parser.add_argument("--exact", action="store_true", help="every layer traced, under torch's own "
+                        "memory bookkeeping (the reference of the fast plan: one layer per kind traced "
+                        "and scaled, mmtrain/plan/layers.py; slower)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -39,12 +40,15 @@ def run(args: argparse.Namespace) -> int:
     return 0 if plan["memory"]["fits"] else NO_FIT
 
 
-def make_plan(config: str, gpus: int, gpu_name: str, overrides=(), **options) -> dict:
+def make_plan(config: str, gpus: int, gpu_name: str, overrides=(), scaled: bool | None = None,
+              **options) -> dict:
+    """scaled: trace one layer per kind and scale (layers.py); None: when that traces fewer blocks
+    (never with exact=True, the reference path)."""
     from mmtrain.config import load_config
     from mmtrain.errors import UserError
     from mmtrain.plan import report
     from mmtrain.plan.gpus import gpu
-    from mmtrain.plan.trace import PlanOptions, dims_for, trace
+    from mmtrain.plan.trace import PlanOptions, dims_for
     from mmtrain.run_config import RunConfig
 
     spec = gpu(gpu_name)
@@ -52,15 +56,35 @@ def make_plan(config: str, gpus: int, gpu_name: str, overrides=(), **options) ->
         raise UserError(f"--gpus: must be >= 1 (got {gpus})")
     cfg = load_config(RunConfig, config, list(overrides))
     cfg.model.decoder.vocab_size = cfg.model.decoder.vocab_size or 32768
-    dims_for(cfg, gpus)  # a mesh that does not fit the world: the one-line error, before any work
     if not 0 <= options.get("rank", 0) < gpus:
         raise UserError(f"--rank: must be in [0, {gpus}) (got {options['rank']})")
+    dims = dims_for(cfg, gpus, options.get("rank", 0))  # a mesh that does not fit: one line, before any work
     params = _params(cfg)
-    result = trace(cfg, PlanOptions(gpus=gpus, per_node=spec.per_node, **options))
+    opts = PlanOptions(gpus=gpus, per_node=spec.per_node, **options)
+    if dims.pp == 1:
+        result = _trace(cfg, opts, scaled)
+    else:  # this rank's stages on its stage's data-parallel ranks, then the schedule (pipe.py)
+        from dataclasses import replace
+
+        from mmtrain.plan.pipe import pipelined, stage_config, stage_plan
+
+        info = stage_plan(cfg, dims)
+        per_stage = gpus // dims.pp
+        sub = replace(opts, gpus=per_stage, rank=opts.rank % per_stage)
+        result = pipelined(_trace(stage_config(cfg, info), sub, scaled), info, cfg, dims, spec.per_node)
     from mmtrain.plan.vision import vision_costs
 
     vision = vision_costs(cfg.vision, result.media_patches, result.mesh)
     return report.build(config, result, spec, gpus, params, vision)
+
+
+def _trace(cfg, opts, scaled: bool | None):
+    from mmtrain.plan.layers import scaled_trace, worth_it
+    from mmtrain.plan.trace import trace
+
+    if scaled is None:
+        scaled = not opts.exact and worth_it(cfg)
+    return scaled_trace(cfg, opts) if scaled else trace(cfg, opts)
 
 
 def _params(cfg) -> dict:

@@ -34,7 +34,8 @@ def group_names(dims) -> dict[str, str]:
             for g, d in dims_of.items()}
 
 
-ROLES = ("fsdp", "ep", "efsdp", "dp_replicate", "cp")  # the names a group is reported by, in order
+# the names a group is reported by, in order
+ROLES = ("fsdp", "ep", "efsdp", "dp_replicate", "cp", "tp", "seq", "dp_cp")
 
 
 class CommCounter(TorchDispatchMode):
@@ -79,7 +80,8 @@ def _wire_bytes(op: str, kind: str, tensors, args, n: int, me: int) -> float:
     if n == 1:
         return 0.0
     if kind == "all_gather":  # the output is the full tensor
-        out = tensors[0] if op.startswith("_allgather_base") else tensors[:len(tensors) // 2]
+        # list form: n outputs per input, flattened ahead of the inputs
+        out = tensors[0] if op.startswith("_allgather_base") else tensors[:len(tensors) // (n + 1) * n]
         return _nbytes([out] if isinstance(out, torch.Tensor) else out) * (n - 1) / n
     if kind == "reduce_scatter":  # the input is the full tensor
         inp = tensors[1:] if op.startswith("_reduce_scatter_base") else tensors[len(tensors) // (n + 1):]

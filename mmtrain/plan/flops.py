@@ -43,10 +43,12 @@ def pairs(lengths: list[int], cap: float | None = None) -> float:
 
 
 def component_flops(model: nn.Module, batch, accum: int = 1, keep_rate: float | None = None,
-                    recompute: bool = False, cp: int = 1) -> dict[str, float]:
+                    recompute: bool = False, cp: int = 1,
+                    encoded: list[int] | None = None) -> dict[str, float]:
     """{component: FLOPs} of one optimizer step on this rank (`model` on any device, meta too).
     Context parallelism: the decoder's work is split over the cp ranks (the mean rank: later
-    chunks attend more keys), the vision tower encodes every medium on each of them."""
+    chunks attend more keys), the vision tower encodes every medium on each of them, unless
+    `encoded` (vision.balance: the patches of each medium this rank encodes) says otherwise."""
     dec_cfg, vis_cfg = model.cfg.decoder, model.cfg.vision
     dec, vis = model.decoder, model.vision
     T = batch.num_tokens()
@@ -73,7 +75,7 @@ def component_flops(model: nn.Module, batch, accum: int = 1, keep_rate: float | 
             out["dense ffn"] += 6 * matmul_params(ffn) * T
     head = dec.lm_head if dec.lm_head is not None else dec.embed
     out["lm head"] = 6 * head.weight.numel() * T
-    out["vit"] = _vit(vis, vis_cfg, batch)
+    out["vit"] = _vit(vis, vis_cfg, batch, encoded)
     visual = int((batch.modality_BS != 0).sum())
     if getattr(model, "visual_head", None) is not None:
         out["visual head"] = 6 * matmul_params(model.visual_head) * visual
@@ -83,12 +85,12 @@ def component_flops(model: nn.Module, batch, accum: int = 1, keep_rate: float | 
     return out
 
 
-def _vit(vis: nn.Module, cfg, batch) -> float:
-    n_M = batch.grid_thw_M3.prod(-1).tolist()
+def _vit(vis: nn.Module, cfg, batch, encoded: list[int] | None = None) -> float:
+    n_M = batch.grid_thw_M3.prod(-1).tolist() if encoded is None else encoded
     not_per_patch = matmul_params(vis.projector) + matmul_params(getattr(vis, "ssl_head", None))
     not_per_patch += sum(p.numel() for p in (vis.row_embed, vis.col_embed) if p is not None)
     tower = matmul_params(vis) - not_per_patch
-    visual = int((batch.modality_BS != 0).sum())
+    visual = int((batch.modality_BS != 0).sum()) if encoded is None else sum(encoded) // cfg.merge ** 2
     attn = 12 * cfg.dim * cfg.depth * sum(n * n for n in n_M)
     return 6 * tower * sum(n_M) + attn + 6 * matmul_params(vis.projector) * visual
 

@@ -23,7 +23,8 @@ def build(config: str, trace, gpu: GPU, gpus: int, params: dict, vision: dict | 
     comm = _comm(trace, gpu)
     flops = trace.flops
     hw = sum(flops.values())
-    compute_s = hw / (gpu.bf16_tflops * 1e12)
+    bubble = trace.pipeline.get("bubble", 0.0)  # pp: the schedule's idle share (pipe.py, closed form)
+    compute_s = hw / (gpu.bf16_tflops * 1e12) / (1 - bubble)
     state = sum(trace.peak.get(k, 0) for k in ("parameters", "gradients", "optimizer state"))
     hbm_s = (3 * trace.peak.get("activations", 0) + 2 * state) / (gpu.hbm_tbps * 1e12)
     links = {"intra-node": comm["intra_s"], "inter-node": comm["inter_s"]}
@@ -48,9 +49,11 @@ def build(config: str, trace, gpu: GPU, gpus: int, params: dict, vision: dict | 
                      "overlap_needed": max(0.0, 1 - busy / comm_s) if comm_s > busy else 0.0,
                      "mfu_overlapped": model_flops(flops) / (step_overlapped * gpu.bf16_tflops * 1e12),
                      "mfu_serial": model_flops(flops) / (step_serial * gpu.bf16_tflops * 1e12),
+                     "pp_bubble": bubble,
                      "specs": {"bf16_tflops": gpu.bf16_tflops, "hbm_tbps": gpu.hbm_tbps,
                                "intra_gbps": gpu.intra_gbps, "inter_gbps": gpu.inter_gbps}},
         "vision": vision or {},
+        "pipeline": trace.pipeline,
     }
 
 
@@ -91,8 +94,18 @@ def text(plan: dict) -> str:
                  f"{r['step_s_overlapped']:.3f} s overlapped (MFU {r['mfu_overlapped']:.1%}) .. "
                  f"{r['step_s_serial']:.3f} s serial (MFU {r['mfu_serial']:.1%}); overlap needed "
                  f"{r['overlap_needed']:.0%}")
+    lines += _pipeline(plan.get("pipeline") or {})
     lines += _vision(plan.get("vision") or {})
     return "\n".join(lines)
+
+
+def _pipeline(p: dict) -> list[str]:
+    if not p:
+        return []
+    return [f"pipeline: {p['schedule']}, stages {p['stages']} of {p['n_stages']} (decoder layers "
+            f"{p['layers'][0]}..{p['layers'][-1]} traced; split {p['split']}), {p['microbatches']} "
+            f"micro-batches, {p['in_flight']} in flight at the peak, bubble {p['bubble']:.0%} (closed form "
+            f"(pp - 1) / (v m + pp - 1), in the roofline's compute time)"]
 
 
 def _vision(v: dict) -> list[str]:

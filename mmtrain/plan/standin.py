@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from mmtrain.models.attention.registry import (
     ANY,
@@ -194,3 +195,38 @@ def _is_fake(t) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+def plan_vision_balance(model, cfg, dims) -> None:
+    """`vision.balance` other than none: the trainer's balancer (mmtrain/parallel/vision_balance.py:
+    its assignment, exchanges and encoder), except that the grids every rank would gather are
+    this rank's own (the planned batch is the same on every rank; the fake group's all-gather
+    returns nothing)."""
+    from mmtrain.parallel.vision_balance import VisionBalancer, balance_group
+
+    class PlanVisionBalancer(VisionBalancer):
+        encoded: list[int] = []  # patches of each medium this rank encodes (flops.py reads them)
+
+        def _gather_grids(self, grid_M4: Tensor):
+            n = grid_M4.new_tensor([grid_M4.shape[0]])  # the real collectives, for their traffic
+            dist.all_gather([torch.empty_like(n) for _ in range(self.G)], n, group=self.group)
+            dist.all_gather([torch.empty_like(grid_M4) for _ in range(self.G)], grid_M4, group=self.group)
+            rows = grid_M4.tolist()
+            units = self.G // self.unit
+            return [[g[:3] for g in rows]] * units, [[g[3] for g in rows]] * units
+
+        def _note(self, sizes_U, owner_U) -> None:
+            super()._note(sizes_U, owner_U)
+            self.encoded = [n for sizes, owners in zip(sizes_U, owner_U)
+                            for n, o in zip(sizes, owners) if o == self.me]
+
+    group, unit = balance_group(cfg.vision.balance, dims)
+    if group is not None:  # a group of its own (the same ranks): its traffic reported as "vision"
+        v = cfg.vision
+        own = dist.new_group(dist.get_process_group_ranks(group))
+        model.encode_media = PlanVisionBalancer(own, unit, (v.cost_a, v.cost_b, v.cost_c))
+
+
+def vision_group(model):
+    """The plan's vision balance group (None without balancing)."""
+    return getattr(model.encode_media, "group", None)

@@ -54,6 +54,8 @@ class Trace:
     crosses: dict[str, bool] = field(default_factory=dict)  # mesh dim -> its group spans nodes
     flops: dict[str, float] = field(default_factory=dict)  # component -> FLOPs per step (flops.py)
     media_patches: list[int] = field(default_factory=list)  # patches of each medium of the rows
+    own_counts: dict[str, int] = field(default_factory=dict)  # the trainer's own Traffic (tp: its kinds)
+    pipeline: dict = field(default_factory=dict)  # pp > 1: the rank's stages and schedule (pipe.py)
 
     @property
     def total(self) -> float:
@@ -92,9 +94,14 @@ def dims_for(cfg, gpus: int, rank: int = 0):
     from mmtrain.parallel.dims import ParallelDims
 
     dims = ParallelDims.from_config(cfg.dist, gpus, rank)
-    dims.refuse_unimplemented()
+    if dims.pp > 1:  # the plan traces a rank's stages itself (pipe.py): no refusal of pp here
+        from mmtrain.parallel.pipeline import check_pipeline_config
+
+        check_pipeline_config(cfg, dims)
     if dims.tp > 1:
-        raise UserError("dist.tp: mmtrain plan does not model tensor parallelism yet")
+        from mmtrain.parallel.tensor_parallel import check_tp
+
+        check_tp(cfg, dims)  # the trainer's rules, one line naming the key
     if dims.ep > 1 and cfg.model.decoder.moe is None:
         raise UserError("dist.ep: > 1 needs MoE layers (model.decoder.moe)")
     if dims.ep > 1 and cfg.model.decoder.moe.n_routed % dims.ep:
@@ -117,7 +124,7 @@ def _run_with_standin(cfg, opts: PlanOptions, fake) -> Trace:
     from mmtrain.plan.batch import plan_batch
     from mmtrain.plan.comm import CommCounter, crosses_nodes, group_names
     from mmtrain.plan.flops import component_flops
-    from mmtrain.plan.standin import PlanMode, context_standin
+    from mmtrain.plan.standin import PlanMode, context_standin, vision_group
     from mmtrain.plan.tracker import PlanMemTracker
 
     dims = dims_for(cfg, opts.gpus, opts.rank)
@@ -126,9 +133,15 @@ def _run_with_standin(cfg, opts: PlanOptions, fake) -> Trace:
         dims.expert_mesh("cpu")
     if dims.cp > 1:
         dims.cp_mesh("cpu")
+    if dims.tp > 1:
+        dims.tp_mesh("cpu"), dims.seq_mesh("cpu")
     step = _Step(cfg, dims, fake, opts)
     batch = plan_batch(cfg, fake, opts.visual_frac)
-    counter = CommCounter(group_names(dims))
+    names, crosses = group_names(dims), crosses_nodes(dims, opts.per_node)
+    if (group := vision_group(step.model)) is not None:  # vision.balance's exchanges and grid gathers
+        names[group.group_name] = "vision"
+        crosses["vision"] = len({r // opts.per_node for r in dist.get_process_group_ranks(group)}) > 1
+    counter = CommCounter(names)
     with PlanMode(fake) if fake is not None else contextlib.nullcontext(), context_standin():
         step.warm_up()  # the first step's optimizer state
         tracker = (FSDPMemTracker if opts.exact else PlanMemTracker)(step.model, step.optimizer)
@@ -139,11 +152,14 @@ def _run_with_standin(cfg, opts: PlanOptions, fake) -> Trace:
         if ref in CATEGORIES:
             peak[CATEGORIES[ref]] = peak.get(CATEGORIES[ref], 0) + nbytes
     flops = component_flops(step.model, batch, cfg.train.grad_accum, opts.keep_rate,
-                            cfg.dist.activation_checkpointing, dims.cp)
-    return Trace(opts.rank, peak, _top_modules(tracker), dict(counter.calls), batch.num_tokens() // dims.cp,
+                            cfg.dist.activation_checkpointing, dims.seq_size,
+                            getattr(step.model.encode_media, "encoded", None))
+    return Trace(opts.rank, peak, _top_modules(tracker), dict(counter.calls),
+                 batch.num_tokens() // dims.seq_size,
                  int((batch.modality_BS != 0).sum()), batch.patches_NP.shape[0],
-                 {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "ep": dims.ep},
-                 crosses_nodes(dims, opts.per_node), flops, batch.grid_thw_M3.prod(-1).tolist())
+                 {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "ep": dims.ep,
+                  "tp": dims.tp},
+                 crosses, flops, batch.grid_thw_M3.prod(-1).tolist(), dict(step.traffic.sent))
 
 
 def _top_modules(tracker, n: int = 8) -> list[tuple[str, float]]:
@@ -162,14 +178,17 @@ class _Step:
         from mmtrain.parallel.context_parallel import context_shard
         from mmtrain.parallel.distributed import DistEnv
         from mmtrain.parallel.parallelize import prime_probes
-        from mmtrain.plan.standin import plan_dispatchers
+        from mmtrain.plan.standin import plan_dispatchers, plan_vision_balance
 
         prime_probes(torch.device("cpu"))  # grouped_mm's probe runs real tensors: before fake mode
         cfg.model.decoder.attention.backend = "plan"
         self.cfg, self.dims, self.fake = cfg, dims, fake
         self.env = DistEnv(opts.rank, opts.gpus, opts.rank % 8, min(opts.gpus, 8))
         cuda_bf16 = cfg.train.device == "cuda" and cfg.train.dtype == "bfloat16"
-        self.model = _parallelized(cfg, dims, cuda_bf16)
+        from mmtrain.parallel.comm import Traffic
+
+        self.traffic = Traffic()  # what the trainer's own layers count (tp), beside comm.py's count
+        self.model = _parallelized(cfg, dims, cuda_bf16, self.traffic)
         with fake or contextlib.nullcontext():  # fake: parameters, gradients, optimizer state too
             self.model.to_empty(device="cpu")
             if fake is None:
@@ -177,6 +196,7 @@ class _Step:
                 self.model.init_weights()
             self.optimizer = build_optimizer(self.model, cfg.optim)
         plan_dispatchers(self.model, opts.ep_imbalance)
+        plan_vision_balance(self.model, cfg, dims)  # vision.balance: the trainer's balancer
         from mmtrain.data_pipelines.batch import TASK_NAMES
 
         balancer = build_balancer(cfg.loss.balancer, {t: getattr(cfg.loss, t) for t in TASK_NAMES})
@@ -213,7 +233,7 @@ class _Step:
         self.model.update_moe_bias(lambda t: dist.all_reduce(t))
 
 
-def _parallelized(cfg, dims, cuda_bf16: bool):
+def _parallelized(cfg, dims, cuda_bf16: bool, traffic=None):
     """parallelize.build_model's FSDP path as on CUDA with meta_init: built and sharded on the meta
     device (DTensor sharding does not run on fake tensors), then `to_empty` (under fake mode)."""
     from mmtrain.models.multimodal import MultimodalModel
@@ -228,5 +248,9 @@ def _parallelized(cfg, dims, cuda_bf16: bool):
         for blocks in block_lists(model):
             for block in blocks:
                 checkpoint_forward(block)
+    if dims.tp > 1:  # the trainer's order: checkpointing, tp, then FSDP
+        from mmtrain.parallel.tensor_parallel import apply_tp
+
+        apply_tp(model, dims, torch.device("cpu"), cfg.data.seq_len, traffic)
     _apply_fsdp(model, cfg, dims, _CudaType if cuda_bf16 else torch.device("cpu"), None)
     return model

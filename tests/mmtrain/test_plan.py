@@ -109,6 +109,74 @@ def test_the_fast_tracker_gives_the_reference_trackers_plan():
     assert fast["memory"] == exact["memory"] and fast["memory"]["top_modules"]
 
 
+def test_one_layer_per_kind_scaled_is_the_full_trace():
+    """layers.py (the default for large configs): the reduced models' traces scaled to 6 decoder
+    layers (three kinds, one of them 3 times) and 3 vision blocks give the full trace's plan: the
+    peak per category within 1% (measured: to the byte), collectives and FLOPs equal."""
+    sets = ["model.decoder.vocab_size=512", "data.batch_size=2", "dist.ep=2", "model.decoder.n_layers=6",
+            "model.vision.depth=3"]
+    full, fast = (make_plan(TINY, 2, "h100", sets, scaled=s) for s in (False, True))
+    for cat, nbytes in full["memory"]["by_category"].items():
+        assert fast["memory"]["by_category"][cat] == pytest.approx(nbytes, rel=0.01, abs=1024), cat
+    assert fast["memory"]["peak_bytes"] == pytest.approx(full["memory"]["peak_bytes"], rel=0.01)
+    assert [(c["dim"], c["kind"], c["calls"]) for c in fast["comm"]] == \
+        [(c["dim"], c["kind"], c["calls"]) for c in full["comm"]]
+    assert [c["bytes"] for c in fast["comm"]] == pytest.approx([c["bytes"] for c in full["comm"]], rel=1e-12)
+    assert fast["flops"]["by_component"] == pytest.approx(full["flops"]["by_component"], rel=1e-12)
+
+
+def test_vision_balance_is_traced():
+    """vision.balance dp_cp at cp 2 (4 ranks): the plan runs the trainer's balancer, so each medium
+    is encoded once in the world instead of on both cp ranks: this rank's ViT FLOPs halve (the
+    plan's rows are the same on every rank: LPT splits them evenly), its peak drops, and the
+    exchanges appear as `vision` traffic; without balancing there is none."""
+    sets = ["model.decoder.vocab_size=512", "data.batch_size=2", "dist.cp=2"]
+    off, on = (make_plan(TINY, 4, "h100", [*sets, f"vision.balance={b}"]) for b in ("none", "dp_cp"))
+    assert on["flops"]["by_component"]["vit"] == off["flops"]["by_component"]["vit"] / 2
+    assert on["memory"]["peak_bytes"] < off["memory"]["peak_bytes"]
+    vision = {c["kind"]: c["bytes"] for c in on["comm"] if c["dim"] == "vision"}
+    assert vision["all_to_all"] > 0 and not any(c["dim"] == "vision" for c in off["comm"])
+
+
+def test_tp_traffic_equals_the_tp_layers_own_count():
+    """TP(2) x FSDP(2): the plan applies the trainer's apply_tp; the collectives it sees on the tp
+    group are those tensor_parallel.py counts for itself (its Traffic, the bytes `train` logs):
+    the all-gathers (activations and rotary angles) to the byte, and its reduce-scatters, issued
+    as an all-reduce then a chunk, at an all-reduce's wire bytes, 2x the reduce-scatter's it
+    counts."""
+    from mmtrain.plan.trace import PlanOptions, trace
+
+    cfg = load_config(RunConfig, TINY, ["model.decoder.vocab_size=512", "data.batch_size=2", "dist.tp=2"])
+    t = trace(cfg, PlanOptions(gpus=4))
+    tp = {kind: nbytes for (dim, kind), (_, nbytes) in t.comm.items() if dim == "tp"}
+    own = t.own_counts
+    assert tp["all_gather"] == own["tp_all_gather"] + own["tp_rotary_all_gather"] > 0
+    assert tp["all_reduce"] == 2 * own["tp_reduce_scatter"] > 0
+    assert t.tokens == cfg.data.batch_size * cfg.data.seq_len // 2 and t.mesh["tp"] == 2
+
+
+def test_pipeline_stages_cover_the_layers_once():
+    """PP(2) x FSDP(2), 1F1B, 2 micro-batches: the two stages' traced decoder FLOPs add up to the
+    unpipelined plan's on the same 2 data ranks, x 2 micro-batches (the trainer's split holds every
+    layer once; the unpipelined plan traces one micro-batch: FSDPMemTracker takes one), each
+    stage sends one residual stream (fp32 B x S x D + the (2,) aux losses) a micro-batch (a hand
+    count), and the bubble is (pp - 1) / (m + pp - 1) = 1/3."""
+    sets = ["model.decoder.vocab_size=512", "data.batch_size=2"]
+    piped = [*sets, "dist.pp=2", "train.grad_accum=2"]
+    first, last = (make_plan(TINY, 4, "h100", piped, rank=r) for r in (0, 2))
+    flat = make_plan(TINY, 2, "h100", sets)
+    layers = ("full attention", "sparse attention", "dense ffn", "moe experts", "shared experts", "router")
+    for k in layers:
+        assert first["flops"]["by_component"][k] + last["flops"]["by_component"][k] == \
+            pytest.approx(2 * flat["flops"]["by_component"][k], rel=1e-9), k
+    cfg = load_config(RunConfig, TINY, sets)
+    h = 2 * cfg.data.batch_size * cfg.data.seq_len * cfg.model.decoder.dim * 4 + 2 * 2 * 4  # 2 micro-batches
+    for plan in (first, last):
+        pp = [c for c in plan["comm"] if c["dim"] == "pp"]
+        assert [(c["calls"], c["bytes"]) for c in pp] == [(2, h)]
+        assert plan["pipeline"]["bubble"] == pytest.approx(1 / 3) and plan["mesh"]["pp"] == 2
+
+
 @pytest.mark.parametrize("cp, dp", [(1, 4), (2, 4), (4, 2)])
 def test_vision_cost_per_rank_with_and_without_balance(cp, dp):
     """The planned rows are the same on every rank: `dp` changes nothing; `dp_cp` encodes each
@@ -130,7 +198,9 @@ def test_vision_cost_per_rank_with_and_without_balance(cp, dp):
 
 @pytest.mark.parametrize("args, key", [(["--gpus", "3", "--set", "dist.dp_replicate=2"], "dist.dp_replicate"),
                                        (["--gpus", "4", "--set", "dist.ep=3"], "dist.ep"),
-                                       (["--gpus", "2", "--gpu", "v100"], "--gpu")])
+                                       (["--gpus", "2", "--gpu", "v100"], "--gpu"),
+                                       (["--gpus", "4", "--set", "dist.tp=2", "--set", "dist.ep=2"],
+                                        "dist.ep")])  # m3's published TP2 / EP32: TP does not take EP
 def test_bad_input_is_one_line_naming_the_key(args, key, capsys):
     assert main(["plan", TINY, *args]) == 2
     err = capsys.readouterr().err.strip()

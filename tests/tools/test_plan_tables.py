@@ -2,7 +2,8 @@
 GPUs, base at 32 and 64, long at 256 at 64k tokens (cp 2) and at 1M (cp 32), m3 at 256): each plan
 runs, each shipped config fits its GPU there (NO_FIT: the rows that show why a setting is needed),
 and docs/DISTRIBUTED.md's plan tables are exactly today's plans, so the docs cannot drift from the
-code. CI time: see docs/BENCHMARKS.md (plan speed).
+code; every configs/*.yaml is planned, each within ROW_BUDGET_S CPU seconds (one layer per kind
+traced and scaled, mmtrain/plan/layers.py). CI time: see docs/BENCHMARKS.md (plan speed).
 """
 
 from __future__ import annotations
@@ -10,20 +11,35 @@ from __future__ import annotations
 import pytest
 
 from tools import plan_tables
-from tools.plan_tables import BEGIN, END, REPO, ROWS
+from tools.plan_tables import BEGIN, END, REPO, ROWS, SMALL_ROWS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # ten rows: ~4-5 min, more on busy cores
 NO_FIT = {  # rows that show why a setting is what it is, and must not fit
     ("dist.dp_replicate=8", "dist.activation_checkpointing=false"),  # why checkpointing is on
     # 1M tokens: the ViT encodes the row's 512 images on each of the 32 cp ranks (154 GiB a rank);
-    # vision.balance dp_cp would encode each once (the plan's vision cost: 1/32), not yet traced
+    # vision.balance dp_cp encodes each once (the plan traces it: --set vision.balance=dp_cp)
     ("dist.dp_replicate=8", "dist.cp=32", "data.seq_len=1048576"),
+    # m3 at TP2 x PP4 without EP: every GPU gathers a MoE layer's 128 experts (why M3 uses EP32)
+    ("dist.tp=2", "dist.pp=4", "dist.ep=1", "train.grad_accum=16"),
 }
+
+
+ROW_BUDGET_S = 45.0  # CPU seconds a shipped config's plan may take (measured: docs/BENCHMARKS.md)
+SECONDS: list[float] = []
 
 
 @pytest.fixture(scope="module")
 def planned() -> list[tuple[str, dict]]:
-    return plan_tables.plans()
+    return plan_tables.plans(seconds=SECONDS)
+
+
+def test_every_shipped_config_plans_within_its_budget(planned):
+    names = {n for n, _, _ in ROWS + SMALL_ROWS}
+    assert names == {p.stem for p in (REPO / "configs").glob("*.yaml")}, "a shipped config without a plan row"
+    small: list[float] = []
+    plan_tables.plans(SMALL_ROWS, small)
+    slow = [(cmd, round(s, 1)) for (cmd, _), s in zip(planned, SECONDS) if s > ROW_BUDGET_S]
+    assert not slow and max(small) < ROW_BUDGET_S, (slow, small)
 
 
 def test_every_shipped_config_fits_at_its_intended_mesh(planned):

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHORT = {"seq": "data.seq_len", "rows": "data.batch_size"}
 CASES = ["tiny:1", "tiny:2", "tiny:2:ep=2", "tiny:4", "tiny:4:dp_replicate=2", "tiny:4:ep=4",
          "tiny:4:dp_replicate=2,ep=2", "tiny:2:cp=2", "tiny:4:cp=2,ep=2", "small:2:seq=1024,rows=2",
-         "small:2:seq=1024,rows=2,cp=2", "small:2:seq=1024,rows=2,ep=2"]
+         "small:2:seq=1024,rows=2,cp=2", "small:2:seq=1024,rows=2,ep=2", "tiny:2:tp=2", "tiny:4:tp=2"]
 # (small at 4 real ranks needs ~24 GB: more than the 2-core, 23 GB machine of docs/BENCHMARKS.md)
 MIB = 2**20
 

@@ -1,0 +1,83 @@
+"""Pipeline parallelism in the plan: the reported rank's stages traced, the schedule in closed form.
+
+The split is the trainer's (mmtrain/parallel/pipeline.py: `stage_costs` on the full model,
+`split_layers`, `stage_ids` of `dist.pp_schedule`). What is traced is this rank's decoder layers
+(all its stages' layers, in order) on the rank's data-parallel world (gpus / pp ranks: pp is the
+outermost mesh dim, so a stage's dp ranks are a contiguous block), one micro-batch, by the plan's
+usual trace (one layer per kind, scaled). Stated, not traced:
+
+- every stage is traced holding the vision encoder, the embedding and the LM head (only stage 0 /
+  the last stage hold them): an upper bound for the other stages' memory; their FLOPs are
+  counted only on the stages that hold them;
+- memory: the traced micro-batch's activations x the micro-batches in flight at the peak (GPipe:
+  all `grad_accum`; 1F1B and the looped / V schedules: pp - stage for the rank's first stage,
+  at most `grad_accum`);
+- per step: FLOPs, tp / ep / cp traffic and FSDP's all-gathers x `grad_accum` (FSDP reshards after
+  each micro-batch's forward), the reduce-scatters and optimizer once;
+- send / recv: each micro-batch sends the residual stream (B x s x D, the rank's sequence chunk,
+  bf16 under CUDA bf16 else fp32) and the (2,) auxiliary-loss tensor across every stage boundary
+  this rank feeds, forward; its gradient the other way in backward;
+- bubble: the closed form (pp - 1) / (v m + pp - 1), m micro-batches, v stages a rank (GPipe and
+  1F1B: v = 1; Interleaved1F1B v = 2; the zero-bubble V schedules are given the same, an upper
+  bound); the roofline's compute time is divided by (1 - bubble).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+PER_MB = ("all_to_all", "all_gather")  # collective kinds issued once per micro-batch
+
+
+def stage_plan(cfg, dims) -> dict:
+    """{"stages", "layers", "n_stages", "schedule", "microbatches", "in_flight", "bubble"} of this rank."""
+    from mmtrain.models.multimodal import MultimodalModel
+    from mmtrain.parallel.pipeline import split_layers, stage_costs, stage_ids, stages_per_rank
+
+    schedule, pp, m = cfg.dist.pp_schedule, dims.pp, cfg.train.grad_accum
+    v = stages_per_rank(schedule)
+    with torch.device("meta"):
+        model = MultimodalModel(cfg.model)
+    ranges = split_layers(stage_costs(model, cfg.data.seq_len), pp * v)
+    mine = stage_ids(schedule, dims.pp_rank, pp)
+    layers = [i for s in mine for i in ranges[s]]
+    in_flight = m if schedule == "GPipe" else min(m, pp - dims.pp_rank)
+    return {"schedule": schedule, "stages": mine, "n_stages": pp * v, "layers": layers,
+            "split": [[r.start, r.stop] for r in ranges], "microbatches": m, "in_flight": in_flight,
+            "bubble": (pp - 1) / (v * m + pp - 1)}
+
+
+def stage_config(cfg, info: dict):
+    """A copy of cfg whose decoder is this rank's layers, one micro-batch, no pp (the traced stage)."""
+    from mmtrain.plan.layers import layer_kinds, reduced
+
+    kinds = layer_kinds(cfg.model.decoder)
+    out = reduced(cfg, [kinds[i] for i in info["layers"]], cfg.model.vision.depth)
+    out.dist.pp, out.train.grad_accum = 1, 1
+    return out
+
+
+def pipelined(trace, info: dict, cfg, dims, per_node: int):
+    """The traced stage's Trace -> the rank's under the schedule (module docstring)."""
+    out = copy.copy(trace)
+    m = info["microbatches"]
+    n = info["n_stages"]
+    absent = ({"vit"} if 0 not in info["stages"] else set()) | \
+        ({"lm head", "visual head"} if n - 1 not in info["stages"] else set())  # not on this rank's stages
+    out.flops = {k: 0.0 if k in absent else v * m for k, v in trace.flops.items()}
+    out.comm = {k: [c * m, b * m] if k[1] in PER_MB else list(v) for k, v in trace.comm.items()
+                for c, b in [v]}
+    out.peak = dict(trace.peak)
+    out.peak["activations"] = trace.peak.get("activations", 0) * info["in_flight"]
+    cuda_bf16 = cfg.train.device == "cuda" and cfg.train.dtype == "bfloat16"
+    width = 2 if cuda_bf16 else 4
+    h = cfg.data.batch_size * (cfg.data.seq_len // dims.seq_size) * cfg.model.decoder.dim * width + 2 * 4
+    sends = sum((s < n - 1) + (s > 0) for s in info["stages"]) * m  # forward out, backward out
+    out.comm[("pp", "send_recv")] = [sends, float(sends * h)]
+    out.mesh = {**trace.mesh, "pp": dims.pp}
+    # pp is the outermost dim: a stage's peer is world / pp ranks away
+    out.crosses = {**trace.crosses, "pp": dims.world_size // dims.pp >= per_node}
+    out.pipeline = info
+    return out
