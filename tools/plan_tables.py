@@ -24,10 +24,9 @@ ROWS = [  # (config, gpus, --set pairs): each config at its intended mesh
     # 1M-token rows: cp 32 keeps a rank's chunk at 32k tokens, as cp 2 does at 64k
     ("long", 256, ["dist.dp_replicate=8", "dist.cp=32", "data.seq_len=1048576"]),
     ("m3", 256, []),
-    # M3's published mesh is TP2 / PP4 / EP32; mmtrain's TP does not combine with EP (check_tp), so
-    # the two halves of it: PP4 x EP32, and TP2 x PP4 with the experts FSDP-sharded (16 micro-batches)
+    # M3's published mesh, TP2 / PP4 / EP32 (16 micro-batches), and PP4 x EP32 without the TP
     ("m3", 256, ["dist.pp=4", "dist.ep=32", "train.grad_accum=16"]),
-    ("m3", 256, ["dist.tp=2", "dist.pp=4", "dist.ep=1", "train.grad_accum=16"]),
+    ("m3", 256, ["dist.tp=2", "dist.pp=4", "dist.ep=32", "train.grad_accum=16"]),
 ]
 SMALL_ROWS = [("tiny", 2, []), ("video_heavy", 2, [])]  # the test configs: planned (CI), not tabled
 GB = 1e9

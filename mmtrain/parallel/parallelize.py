@@ -235,12 +235,17 @@ def _by_mesh(items: list, tensor=lambda t: t) -> dict:
 
 
 def _mesh_norm(group: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of one mesh's tensors: the local shards' squares summed over every mesh dim that
-    shards them. By hand, not DTensor's norm: the experts' mesh under tp, (efsdp x tp, ep), has
-    dims DTensor's redistribution cannot flatten into one group (torch 2.13 raises KeyError)."""
+    """The L2 norm of one mesh's tensors: DTensor's partial norm made full, except on the experts'
+    mesh under tp, (efsdp x tp, ep), whose dims DTensor's redistribution cannot flatten into one
+    group (torch 2.13 raises KeyError): there the local shards' squares are summed by hand over
+    every mesh dim that shards them. (Only there: by hand, a mesh whose groups were resolved by
+    name in an earlier fake process group, as `mmtrain plan`'s successive plans make, fails.)"""
     if not isinstance(group[0], DTensor):
         return torch.nn.utils.get_total_norm(group, 2.0)
     mesh = group[0].device_mesh
+    if not any(name.endswith("_tp") for name in mesh.mesh_dim_names or ()):
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
     sq = torch.nn.utils.get_total_norm([t.to_local() for t in group], 2.0).square()
     for d in range(mesh.ndim):
         if any(not t.placements[d].is_replicate() for t in group):

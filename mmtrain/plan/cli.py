@@ -75,7 +75,11 @@ def make_plan(config: str, gpus: int, gpu_name: str, overrides=(), scaled: bool 
     from mmtrain.plan.vision import vision_costs
 
     vision = vision_costs(cfg.vision, result.media_patches, result.mesh)
-    return report.build(config, result, spec, gpus, params, vision)
+    plan = report.build(config, result, spec, gpus, params, vision)
+    if dims.pp > 1 and dims.tp > 1:  # pipeline_model.check_pipeline_mesh refuses it in the trainer
+        plan["caveat"] = ("dist.tp with dist.pp > 1: planned from the TP and PP halves the plan traces, "
+                          "but the trainer does not run this combination yet")
+    return plan
 
 
 def _trace(cfg, opts, scaled: bool | None):

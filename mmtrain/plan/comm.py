@@ -30,12 +30,13 @@ def group_names(dims) -> dict[str, str]:
         for dim in mesh.mesh_dim_names or ():
             if mesh[dim].size() > 1:
                 dims_of.setdefault(mesh.get_group(dim).group_name, set()).add(dim)
-    return {g: "/".join(sorted(d - {"world", "dp_shard"}, key=ROLES.index) or ["world"])
+    order = lambda dim: (ROLES.index(dim) if dim in ROLES else len(ROLES), dim)  # noqa: E731
+    return {g: "/".join(sorted(d - {"world", "dp_shard"}, key=order) or ["world"])
             for g, d in dims_of.items()}
 
 
-# the names a group is reported by, in order
-ROLES = ("fsdp", "ep", "efsdp", "dp_replicate", "cp", "tp", "seq", "dp_cp")
+# the names a group is reported by, in order (a dimension not listed sorts after them, by name)
+ROLES = ("fsdp", "ep", "efsdp", "efsdp_tp", "dp_replicate", "cp", "tp", "seq", "dp_cp")
 
 
 class CommCounter(TorchDispatchMode):

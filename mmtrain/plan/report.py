@@ -81,6 +81,8 @@ def text(plan: dict) -> str:
     lines += [f"  {k:<18}{v / GIB:9.2f} GiB" for k, v in by_size]
     lines.append("  top modules (peak while they run):")
     lines += [f"    {t['module']:<52}{t['bytes'] / GIB:9.2f} GiB" for t in m["top_modules"]]
+    if plan.get("caveat"):
+        lines.insert(0, f"note: {plan['caveat']}")
     lines.append("collectives per step (wire bytes this rank sends):")
     lines += [f"  {c['dim']:<17}{c['kind']:<15}{c['calls']:5d} calls {c['bytes'] / GIB:9.3f} GiB "
               f"{'across nodes' if c['across_nodes'] else 'in node':<13}{c['seconds'] * 1e3:8.1f} ms"

@@ -19,8 +19,6 @@ NO_FIT = {  # rows that show why a setting is what it is, and must not fit
     # 1M tokens: the ViT encodes the row's 512 images on each of the 32 cp ranks (154 GiB a rank);
     # vision.balance dp_cp encodes each once (the plan traces it: --set vision.balance=dp_cp)
     ("dist.dp_replicate=8", "dist.cp=32", "data.seq_len=1048576"),
-    # m3 at TP2 x PP4 without EP: every GPU gathers a MoE layer's 128 experts (why M3 uses EP32)
-    ("dist.tp=2", "dist.pp=4", "dist.ep=1", "train.grad_accum=16"),
 }
 
 
