@@ -199,8 +199,8 @@ def test_vision_cost_per_rank_with_and_without_balance(cp, dp):
 @pytest.mark.parametrize("args, key", [(["--gpus", "3", "--set", "dist.dp_replicate=2"], "dist.dp_replicate"),
                                        (["--gpus", "4", "--set", "dist.ep=3"], "dist.ep"),
                                        (["--gpus", "2", "--gpu", "v100"], "--gpu"),
-                                       (["--gpus", "2", "--set", "dist.tp=2"],
-                                        "model.decoder.n_kv_heads")])  # tiny's one KV head cannot split
+                                       (["--gpus", "4", "--set", "dist.tp=4"],
+                                        "model.decoder.n_kv_heads")])  # tiny's 2 KV heads cannot split 4 ways
 def test_bad_input_is_one_line_naming_the_key(args, key, capsys):
     assert main(["plan", TINY, *args]) == 2
     err = capsys.readouterr().err.strip()
