@@ -3,7 +3,8 @@
 The stages chained in one process give the model's forward; the split minimises the largest stage
 cost; and over gloo, PP ranks under a named schedule give one process's losses, gradient norms and
 MoE expert biases on the same rows (rows with images, video and interleaved documents, sparse layers
-that select, MoE). PP(2) x 1F1B runs in CI; the other schedules and PP(4) with MMTRAIN_SLOW_TESTS=1.
+that select, MoE). PP(2) x 1F1B and TP(2) x PP(2) x 1F1B run in CI; the other schedules, PP(4) and
+TP(2) x PP(2) x Interleaved1F1B with MMTRAIN_SLOW_TESTS=1.
 """
 
 from __future__ import annotations
@@ -391,6 +392,9 @@ MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_
     "pp2-ep2": (4, ["dist.pp=2", "dist.ep=2"]),
     "pp2-dualpipev": (2, ["dist.pp=2", "dist.pp_schedule=DualPipeV", "train.grad_accum=4"]),
     "pp4-interleaved": (4, ["dist.pp=4", "dist.pp_schedule=Interleaved1F1B", "train.grad_accum=4"]),
+    # two stages a rank: each a deep copy, split over tp after the cut
+    "tp2-pp2-interleaved": (4, ["dist.pp=2", "dist.tp=2", "dist.pp_schedule=Interleaved1F1B",
+                                "model.decoder.n_kv_heads=2"]),
 }
 LAYERS = {"pp4-interleaved": 8}  # a rank's two stages x 4 ranks
 
@@ -400,7 +404,7 @@ LAYERS = {"pp4-interleaved": 8}  # a rank's two stages x 4 ranks
 def test_trainer_at_pipeline_meshes_matches_one_process(raw_for, tmp_path, mesh):
     nproc, overrides = MESHES[mesh]
     layers = LAYERS.get(mesh, 4)
-    accum = [o for o in overrides if o.startswith("train.")]  # both sides
+    accum = [o for o in overrides if not o.startswith("dist.")]  # both sides
     _check_trainer_parity(*_trainer_parity(raw_for, tmp_path, nproc, overrides,
                                            base=[f"model.decoder.n_layers={layers}", *accum]))
 
