@@ -98,7 +98,8 @@ class Trainer:
         else:
             self.raw_model, self.model = build_model(cfg, self.env, self.device, self.dims, self.traffic)
         self.trained = self.pipeline.module if self.pipeline is not None else self.model
-        self.context = context_shard(self.dims, self.device, cfg.data.seq_len, self.traffic)  # or None
+        self.context = (self.pipeline.context if self.pipeline is not None  # the stages' own (tp's chunk)
+                        else context_shard(self.dims, self.device, cfg.data.seq_len, self.traffic))  # or None
         self.vision_balance = install_vision_balance(self.raw_model, cfg.vision, self.dims, self.traffic)
         self.optimizer = build_optimizer(self.trained, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)

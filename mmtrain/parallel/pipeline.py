@@ -22,7 +22,9 @@ in one process. The per-row metadata (document ids, span ids, modality, M-RoPE p
 sent: every rank of a pipeline reads the same micro-batch (the pp ranks share a data rank), the
 schedule hands every stage the batch's tensors as keyword arguments, and each stage rebuilds the
 attention metadata (`build_meta`) and the rotary tables from them itself, as the decoder does once
-per forward. Patches reach only stage 0's vision encoder.
+per forward. Patches reach only stage 0's vision encoder. Under tensor parallelism a stage holds
+its tp rank's chunk of every row (`StageModel.context`, sequence parallelism): stage 0 embeds the
+chunk's tokens, and the chunk (B, S / tp, D) crosses the boundary; the metadata stays the whole rows'.
 
 Legend: B rows, S tokens, D decoder width, V vocabulary, L decoder layers, N patches, M media.
 """
@@ -47,8 +49,9 @@ from torch.distributed.pipelining.schedules import (
 
 from mmtrain.errors import UserError
 from mmtrain.models.attention import build_meta
+from mmtrain.models.attention.context import ContextShard
 from mmtrain.models.counting import _inactive_routed, _matmul_params, attention_keys, flops_per_token
-from mmtrain.models.decoder import scatter_visual
+from mmtrain.models.decoder import local_visual, scatter_visual
 from mmtrain.models.moe import MoE
 from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.parallel.parallelize import _by_mesh, checkpoint_forward, global_norm, prime_probes
@@ -187,6 +190,7 @@ class StageModel(nn.Module):
             dec.norm, dec.lm_head = None, None
         self.decoder = dec
         self.layer_ids = list(layers)
+        self.context: ContextShard | None = None  # dist.tp > 1: this rank's chunk of every row
         self.records: list[dict] = []  # per micro-batch forward: {layer: (load_3E, entropy_3)}
 
     def moe_layers(self) -> dict[int, MoE]:
@@ -200,21 +204,28 @@ class StageModel(nn.Module):
     def forward(self, x: Tensor, aux_2: Tensor | None = None, *, tokens_BS: Tensor, pos_ids_3BS: Tensor,
                 doc_ids_BS: Tensor, span_ids_BS: Tensor, modality_BS: Tensor, patches_NP: Tensor,
                 grid_thw_M3: Tensor) -> tuple[Tensor, Tensor]:
-        dec = self.decoder
+        dec, shard = self.decoder, self.context
+        meta = build_meta(doc_ids_BS, span_ids_BS, dec.cfg.attention.block_size)  # rebuilt per stage
         if self.is_first:
             encode = self.encode_media if self.training and self.encode_media is not None else None
             visual_ND = (self.vision(patches_NP, grid_thw_M3) if encode is None
                          else encode(self.vision, patches_NP, grid_thw_M3, modality_BS))
+            if shard is not None:  # the chunk's tokens and the visual tokens placed in it (Decoder's way)
+                visual_ND = local_visual(modality_BS, visual_ND, shard.lo, shard.hi)
+                x = shard.local(x)
+        if shard is not None:  # meta stays the whole rows'; x (past stage 0) is the chunk already
+            modality_BS, pos_ids_3BS = shard.local(modality_BS), shard.local(pos_ids_3BS, dim=2)
+        if self.is_first:
             h_BSD = scatter_visual(dec.embed(x), modality_BS, visual_ND)
             aux_2 = h_BSD.new_zeros(len(AUX_NAMES), dtype=torch.float32)
         else:
             h_BSD = x
-        meta = build_meta(doc_ids_BS, span_ids_BS, dec.cfg.attention.block_size)  # rebuilt per stage
         cos_B1SF, sin_B1SF = dec.rotary(pos_ids_3BS)
         record = {}
         for i in self.layer_ids:
             layer = dec.layers[str(i)]
-            h_BSD, aux, _ = layer(h_BSD, cos_B1SF, sin_B1SF, meta, dec.cfg.attention, modality_BS)
+            h_BSD, aux, _ = layer(h_BSD, cos_B1SF, sin_B1SF, meta, dec.cfg.attention, modality_BS,
+                                  False, shard)
             if aux:
                 aux_2 = aux_2 + torch.stack([aux[n].float() for n in AUX_NAMES])
                 record[i] = (aux["load_3E"].detach(), aux["router_entropy_3"].detach())
@@ -262,6 +273,8 @@ def build_schedule(name: str, parts: list[StageModel], pp_group, device: torch.d
     cls = schedule_class(name)
     n_stages = parts[0].n_stages
     B, S = example["tokens_BS"].shape
+    shard = parts[0].context
+    S = S if shard is None else shard.hi - shard.lo  # sequence parallelism: the chunk crosses
     D = parts[0].cfg.decoder.dim
     # both carry gradients (aux_2 on a stage without MoE layers has none to give: torch skips it)
     acts = (torch.empty(B, S, D, device=device, requires_grad=True),

@@ -8,9 +8,14 @@
     pipe.clip(max_norm) / pipe.update_moe_bias(env)   # the norm and the bias step over all stages
 
 Order (torchtitan's): split the plain model into stages (mmtrain/parallel/pipeline.py), then
-activation-checkpoint each stage's blocks, then FSDP2 each stage's blocks and the stage itself over
-its pp slice's dense mesh (dp_replicate, fsdp) when that has more than one rank. torch's
-PipelineStage drives FSDP itself: no gradient reduce before a stage's last micro-batch.
+activation-checkpoint each stage's blocks, then (dist.tp > 1) split each stage's decoder layers over
+tp (mmtrain/parallel/tensor_parallel.py), then FSDP2 each stage's blocks and the stage itself over
+its pp slice's dense mesh (dp_replicate, fsdp; fsdp includes tp) when that has more than one rank.
+torch's PipelineStage drives FSDP itself: no gradient reduce before a stage's last micro-batch.
+
+Under tp the stages run under the sequence-parallel `context` (the (cp, tp) row shard): tp rank t
+of stage s holds its chunk (B, S / tp, D) of every row and sends it to tp rank t of stage s + 1
+(Megatron's way; the pp groups are one per tp coordinate, dims.py).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from mmtrain.errors import UserError
 from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.parallel.context_parallel import context_shard
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv, all_reduce
 from mmtrain.parallel.parallelize import scale_expert_grads
@@ -34,6 +40,7 @@ from mmtrain.parallel.pipeline import (
     gather_full_model,
     pp_grad_norm,
 )
+from mmtrain.parallel.tensor_parallel import apply_tp_layers, check_tp
 
 Tensor = torch.Tensor
 
@@ -44,7 +51,7 @@ def check_pipeline_mesh(cfg, dims: ParallelDims) -> None:
         raise UserError("dist.ep: > 1 needs MoE layers (model.decoder.moe)")
     check_pipeline_config(cfg, dims)
     if dims.tp > 1:
-        raise UserError("dist.tp: not supported together with dist.pp > 1 yet; set dist.tp: 1")
+        check_tp(cfg, dims)  # the stages split their layers as the whole model does
     if dims.cp > 1:
         raise UserError("dist.cp: not supported together with dist.pp > 1 yet; set dist.cp: 1")
 
@@ -75,10 +82,18 @@ class PipelineModel:
         self.parts = build_stage_models(model, cfg.dist.pp_schedule, dims.pp_rank, dims.pp, cfg.data.seq_len)
         if cfg.dist.activation_checkpointing:
             checkpoint_stages(self.parts, device)
-        if dims.dp_size > 1:
+        if dims.tp > 1:  # after the split (a deep copy would share the patched forwards' closures)
+            apply_tp_layers([p.decoder.layers[str(i)] for p in self.parts for i in p.layer_ids], dims, device,
+                         cfg.data.seq_len, traffic)
+        # sequence parallelism: this rank's chunk of every row crosses the stage boundaries
+        self.context = context_shard(dims, device, cfg.data.seq_len, traffic)
+        for part in self.parts:
+            part.context = self.context
+        if dims.dp_size * dims.seq_size > 1:  # the dense mesh's fsdp includes tp (dims.py)
             dims.dense_mesh(device.type)  # collective: every rank, whether its stages have experts or not
             if dims.ep > 1:
                 dims.expert_mesh(device.type)
+                dims.expert_fsdp_mesh(device.type)
             for part in self.parts:
                 _shard_stage(part, cfg, dims, device, traffic)
         self.module = self.parts[0] if len(self.parts) == 1 else StageUnion(self.parts)
@@ -165,8 +180,8 @@ def _shard_stage(part: StageModel, cfg, dims: ParallelDims, device: torch.device
             shard_experts(list(part.moe_layers().values()), experts["ep"], traffic)
         except ValueError as e:
             raise UserError(str(e)) from None
-        for moe in part.moe_layers().values():
-            fully_shard(moe.experts, mesh=_fsdp_part(experts, "efsdp"), **kwargs)
+        for moe in part.moe_layers().values():  # (dp_replicate, efsdp[ x tp]), as parallelize's
+            fully_shard(moe.experts, mesh=dims.expert_fsdp_mesh(device.type), **kwargs)
     dense = _fsdp_part(dims.dense_mesh(device.type), "fsdp")
     blocks = [*(part.vision.blocks if part.vision is not None else []),
               *(part.decoder.layers[str(i)] for i in part.layer_ids)]

@@ -242,13 +242,19 @@ def apply_tp(model: MultimodalModel, dims: ParallelDims, device: torch.device, s
              traffic: Traffic | None = None) -> None:
     """Split every decoder layer's attention and SwiGLU (dense FFN, shared expert) over tp, before
     FSDP wraps the layers. The caller runs the decoder under `row_shard` (sequence parallelism)."""
+    apply_tp_layers(list(model.decoder.layers), dims, device, seq_len, traffic)
+
+
+def apply_tp_layers(layers: list[nn.Module], dims: ParallelDims, device: torch.device, seq_len: int,
+                 traffic: Traffic | None = None) -> None:
+    """`apply_tp` on some decoder layers: a pipeline stage's (mmtrain/parallel/pipeline_model.py)."""
     from mmtrain.parallel.context_parallel import CPComm
 
     comm = TPComm(dims.tp_mesh(device.type).get_group(), traffic)
     # under cp too: the attention's tp-gathered tokens are this rank's cp chunk of every row
     cp = ContextShard(CPComm(dims.cp_mesh(device.type)["cp"].get_group(), traffic), seq_len) \
         if dims.cp > 1 else None
-    for layer in model.decoder.layers:
+    for layer in layers:
         _split_attention(layer.attn, comm, cp)
         ffns = [layer.ffn.shared] if isinstance(layer.ffn, MoE) else [layer.ffn]
         for ffn in ffns:

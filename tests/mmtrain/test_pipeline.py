@@ -3,7 +3,8 @@
 The stages chained in one process give the model's forward; the split minimises the largest stage
 cost; and over gloo, PP ranks under a named schedule give one process's losses, gradient norms and
 MoE expert biases on the same rows (rows with images, video and interleaved documents, sparse layers
-that select, MoE). PP(2) x 1F1B runs in CI; the other schedules and PP(4) with MMTRAIN_SLOW_TESTS=1.
+that select, MoE). PP(2) x 1F1B and TP(2) x PP(2) x 1F1B run in CI; the other schedules, PP(4) and
+TP(2) x PP(2) x Interleaved1F1B with MMTRAIN_SLOW_TESTS=1.
 """
 
 from __future__ import annotations
@@ -272,6 +273,16 @@ def test_trainer_at_pp2_matches_one_process(raw_for, tmp_path):
     _check_trainer_parity(*_trainer_parity(raw_for, tmp_path, 2, ["dist.pp=2"]))
 
 
+def test_trainer_at_tp2_pp2_matches_one_process(raw_for, tmp_path):
+    """TP(2) x PP(2) (4 ranks): each tp rank of a stage holds its sequence-parallel chunk of every row
+    and hands it to the same tp rank of the next stage (Megatron's way); the same losses, gradient
+    norms and expert biases as one process, with the tp collectives seen to run."""
+    one, pp = _trainer_parity(raw_for, tmp_path, 4, ["dist.pp=2", "dist.tp=2"],
+                              base=["model.decoder.n_kv_heads=2"])
+    _check_trainer_parity(one, pp)
+    assert pp["traffic"]["tp_all_gather"] > 0 and pp["traffic"]["tp_reduce_scatter"] > 0
+
+
 # ----- checkpoints across pp, fsdp and one process ---------------------------------------------------
 def _saved_and_loaded(make_raw, tmp_path, save_nproc: int, saved_at: list[str], loaded: dict) -> dict:
     """Train 2 steps at `saved_at` on `save_nproc` ranks, then resume the checkpoint at each of
@@ -340,10 +351,17 @@ def test_killed_at_pp2_resumed_in_one_process_continues_the_run(make_raw, tmp_pa
     assert all(_rel(ends[0][t], ends[1][t]) < 1e-5 for t in ends[0]), ends
 
 
-def test_mmtrain_under_torchrun_with_pp2_runs_evaluation_diagnostics_and_captions(make_raw, tmp_path):
-    """As a user runs it: torchrun starting the `mmtrain` console script, `--set dist.pp=2`. Training
-    runs the stages; evaluation, diagnostics (with the reliance guard's gaps) and captioning run on
-    the replica gathered from them (docs/DISTRIBUTED.md); the run ends with a checkpoint."""
+@pytest.mark.parametrize("sets, nproc, mesh", [
+    pytest.param(["dist.pp=2"], 2, "dp_shard=1 cp=1 ep=1 pp=2 (world 2)", id="pp2"),
+    pytest.param(["dist.pp=2", "dist.tp=2", "model.decoder.n_kv_heads=2"], 4,
+                 "dp_shard=1 cp=1 ep=1 tp=2 pp=2 (world 4)", id="tp2-pp2",
+                 marks=pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1"))])
+def test_mmtrain_under_torchrun_with_pp2_runs_evaluation_diagnostics_and_captions(make_raw, tmp_path, sets,
+                                                                                   nproc, mesh):
+    """As a user runs it: torchrun starting the `mmtrain` console script, `--set dist.pp=2` (and
+    `dist.tp=2`). Training runs the stages; evaluation, diagnostics (with the reliance guard's gaps)
+    and captioning run on the replica gathered from them (docs/DISTRIBUTED.md); the run ends with a
+    checkpoint."""
     import sys
     from pathlib import Path
 
@@ -355,13 +373,14 @@ def test_mmtrain_under_torchrun_with_pp2_runs_evaluation_diagnostics_and_caption
         "diagnostics.batches=1", "diagnostics.warmup_steps=0", "loss.balancer.kind=reliance_guard",
         "captions.images=2", "captions.videos=1", "train.eval_batches=0", "diagnostics.probe_media=3"])
     mmtrain = str(Path(sys.executable).parent / "mmtrain")
-    launch(["--no-python", mmtrain, "train", str(config), "--quiet", "--set", "dist.pp=2"], nproc=2)
+    sets = [a for kv in sets for a in ("--set", kv)]
+    launch(["--no-python", mmtrain, "train", str(config), "--quiet", *sets], nproc=nproc)
     diags = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
     assert [d["step"] for d in diags] == [0, 2, 4]
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary["end"]["mismatch_gap"]) == {"image_text", "video_text"}
     assert summary["end"]["captions"]["prompts"] == 3 and (run / "step_4").is_dir()
-    assert "dp_shard=1 cp=1 ep=1 pp=2 (world 2)" in (run / "train.log").read_text()
+    assert mesh in (run / "train.log").read_text()
 
 
 MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_SLOW_TESTS=1)
@@ -373,6 +392,9 @@ MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_
     "pp2-ep2": (4, ["dist.pp=2", "dist.ep=2"]),
     "pp2-dualpipev": (2, ["dist.pp=2", "dist.pp_schedule=DualPipeV", "train.grad_accum=4"]),
     "pp4-interleaved": (4, ["dist.pp=4", "dist.pp_schedule=Interleaved1F1B", "train.grad_accum=4"]),
+    # two stages a rank: each a deep copy, split over tp after the cut
+    "tp2-pp2-interleaved": (4, ["dist.pp=2", "dist.tp=2", "dist.pp_schedule=Interleaved1F1B",
+                                "model.decoder.n_kv_heads=2"]),
 }
 LAYERS = {"pp4-interleaved": 8}  # a rank's two stages x 4 ranks
 
@@ -382,13 +404,13 @@ LAYERS = {"pp4-interleaved": 8}  # a rank's two stages x 4 ranks
 def test_trainer_at_pipeline_meshes_matches_one_process(raw_for, tmp_path, mesh):
     nproc, overrides = MESHES[mesh]
     layers = LAYERS.get(mesh, 4)
-    accum = [o for o in overrides if o.startswith("train.")]  # both sides
+    accum = [o for o in overrides if not o.startswith("dist.")]  # both sides
     _check_trainer_parity(*_trainer_parity(raw_for, tmp_path, nproc, overrides,
                                            base=[f"model.decoder.n_layers={layers}", *accum]))
 
 
 @pytest.mark.parametrize("overrides, world, key", [
-    (["dist.tp=2", "model.decoder.n_kv_heads=2"], 4, "dist.tp"),
+    (["dist.tp=2"], 4, "model.decoder.n_kv_heads"),  # tp's own rules hold on the stages too
     (["dist.ep=2", "model.decoder.moe=null"], 4, "dist.ep"),
     (["dist.cp=2", "data.seq_len=256"], 4, "dist.cp"),
 ])
@@ -402,3 +424,5 @@ def test_trainer_refuses_pipeline_meshes_it_does_not_build(corpus, tmp_path, ove
     assert key in str(e.value) and "\n" not in str(e.value)
     fsdp = tiny_config(corpus, tmp_path / "run", ["dist.pp=2"])
     check_pipeline_mesh(fsdp, ParallelDims.from_config(fsdp.dist, 4))  # PP(2) x FSDP(2) builds
+    tp = tiny_config(corpus, tmp_path / "run", ["dist.pp=2", "dist.tp=2", "model.decoder.n_kv_heads=2"])
+    check_pipeline_mesh(tp, ParallelDims.from_config(tp.dist, 4))  # PP(2) x TP(2) builds
