@@ -79,7 +79,8 @@ class PipelineModel:
         self.cfg, self.dims, self.device = cfg, dims, device
         model = MultimodalModel(cfg.model).to(device)  # every rank the same weights (one seed)
         self.full = copy.deepcopy(model)  # the evaluation replica (a full copy a rank)
-        self.parts = build_stage_models(model, cfg.dist.pp_schedule, dims.pp_rank, dims.pp, cfg.data.seq_len)
+        self.parts = build_stage_models(model, cfg.dist.pp_schedule, dims.pp_rank, dims.pp, cfg.data.seq_len,
+                                        cfg.dist.pp_vision_stage)
         if cfg.dist.activation_checkpointing:
             checkpoint_stages(self.parts, device)
         if dims.tp > 1:  # after the split (a deep copy would share the patched forwards' closures)
