@@ -457,6 +457,9 @@ MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_
     "pp2-zbv-vision-stage": (2, ["dist.pp=2", "dist.pp_schedule=ZBVZeroBubble", "dist.pp_vision_stage=true"]),
     "pp2-dualpipev-vision-stage": (2, ["dist.pp=2", "dist.pp_schedule=DualPipeV", "dist.pp_vision_stage=true",
                                        "train.grad_accum=4"]),
+    # dist.pp_split: measured (the parts timed on each rank, the max all-reduced, then cut)
+    "pp2-measured-vision-stage": (2, ["dist.pp=2", "dist.pp_split=measured", "dist.pp_vision_stage=true",
+                                      "dist.pp_schedule=Interleaved1F1B"]),
 }
 LAYERS = {"pp4-interleaved": 8}  # a rank's two stages x 4 ranks
 
