@@ -20,6 +20,7 @@ stage 0 holds the vision encoder, its projector and the token embedding and no d
 embedding rides with the encoder: the visual tokens are scattered into the embedded row there), and
 the decoder layers split over stages 1..n-1, minimising the largest of those. The stage count stays
 pp x stages a rank (the schedules need a multiple of pp), so 1F1B at pp 2 puts every layer on stage 1.
+`dist.pp_split: measured` hands `split_layers` times in place of FLOPs (mmtrain/parallel/stage_timing.py).
 
 What crosses a stage boundary: the residual stream h_BSD and a (2,) tensor of the MoE auxiliary
 losses summed over the layers so far (moe_seq_balance, router_z): it rides along the activations,

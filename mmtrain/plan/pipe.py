@@ -9,6 +9,8 @@ micro-batch, by the plan's usual trace (one layer per kind, scaled). Stated, not
 - every stage is traced holding the vision encoder, the embedding and the LM head (only stage 0 /
   the last stage hold them): an upper bound for the other stages' memory; their FLOPs are
   counted only on the stages that hold them;
+- `dist.pp_split: measured` cuts by times the trainer takes on the devices at launch: the plan
+  cannot time, so it plans the FLOP split and says so (`split_by`);
 - a rank whose stages hold no decoder layer (the vision stage of 1F1B / GPipe under
   `dist.pp_vision_stage`) is traced with one layer (the model needs one): its memory and traffic
   an upper bound, its FLOPs not counted;
@@ -50,7 +52,8 @@ def stage_plan(cfg, dims) -> dict:
     layers = [i for s in mine for i in ranges[s]]
     in_flight = m if schedule == "GPipe" else min(m, pp - dims.pp_rank)
     return {"schedule": schedule, "stages": mine, "n_stages": pp * v, "layers": layers,
-            "split": [[r.start, r.stop] for r in ranges], "microbatches": m, "in_flight": in_flight,
+            "split": [[r.start, r.stop] for r in ranges], "split_by": cfg.dist.pp_split,
+            "microbatches": m, "in_flight": in_flight,
             "bubble": (pp - 1) / (v * m + pp - 1)}
 
 
