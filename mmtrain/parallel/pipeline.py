@@ -262,9 +262,9 @@ class StageModel(nn.Module):
 def build_stage_models(model: MultimodalModel, schedule: str, pp_rank: int, pp: int, seq_len: int,
                        vision_stage: bool = False, costs: dict | None = None) -> list[StageModel]:
     """This rank's stages (each a pruned deep copy of `model`), split by `costs` (default `stage_costs`;
-    vision_stage: dist.pp_vision_stage). Split first,
-    then checkpoint / compile each stage's blocks (torchtitan's order): an activation-checkpointed
-    block's forward is an instance attribute closing over the block, which a deep copy would share."""
+    dist.pp_split: measured passes times) with dist.pp_vision_stage's `vision_stage`. Split first, then
+    checkpoint / compile each stage's blocks (torchtitan's order): an activation-checkpointed block's
+    forward is an instance attribute closing over the block, which a deep copy would share."""
     wrapped = [m for m in model.modules() if "forward" in vars(m)]
     if wrapped:
         raise ValueError("build_stage_models: split the plain model, then apply activation checkpointing "

@@ -10,7 +10,9 @@ before the split: `data.batch_size` rows of `data.seq_len` tokens (one document 
 decoder layer of each kind (MoE or dense FFN x sparse or full attention: identical layers cost the
 same), the final norm + LM head + cross-entropy, and the vision encoder + projector on the media that
 fill the rows' visual share (`visual_fraction`, as `stage_costs`: images of `patches_per_medium`
-patches). The fastest of `iters` timed runs (after one warm-up) is taken: the least disturbed.
+patches), under the step's autocast (bf16 on CUDA when `train.dtype` is bfloat16, as the trainer's).
+The head runs a chunk of tokens at a time (the trainer's loss never holds all (B, S, V) logits
+either). The fastest of `iters` timed runs (after one warm-up) is taken: the least disturbed.
 
 Every rank must cut the same way (a stage's data ranks shard the same layers; the pipeline's ranks
 hand each other the same boundaries), so the times are all-reduced with MAX over the world before
@@ -25,6 +27,7 @@ Legend: B rows, S tokens, D decoder width, V vocabulary, N patches, P patch valu
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -36,6 +39,7 @@ from mmtrain.parallel.pipeline import AUX_NAMES
 
 Tensor = torch.Tensor
 Timer = Callable[[object, Callable[[], None]], float]  # (key, run once) -> seconds a run
+HEAD_CHUNK = 4096  # tokens of logits at once in the head's run
 
 
 def measured_costs(model, cfg, device: torch.device, timer: Timer | None = None,
@@ -50,7 +54,9 @@ def measured_costs(model, cfg, device: torch.device, timer: Timer | None = None,
     kinds = [(dec.is_moe(i), dec.is_sparse(i)) for i in range(dec.n_layers)]
     first = {k: kinds.index(k) for k in dict.fromkeys(kinds)}  # kind -> its first layer
     rows = _rows(B, S, device, g)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's RNG untouched
+    bf16 = device.type == "cuda" and cfg.train.dtype == "bfloat16"
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()  # the trainer's
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), amp:  # RNG untouched
         vision = _vision_run(model, rows, visual_fraction, patches_per_medium, device, g)
         times = {"vision": timer("vision", vision), "head": timer("head", _head_run(model, rows, device, g))}
         for kind, i in first.items():
@@ -117,12 +123,14 @@ def _layer_run(model, i: int, rows: dict, device: torch.device, g: torch.Generat
 def _head_run(model, rows: dict, device: torch.device, g: torch.Generator) -> Callable[[], None]:
     dec = model.decoder
     B, S = rows["doc_ids_BS"].shape
-    h_BSD = torch.randn(B, S, dec.cfg.dim, generator=g).to(device).requires_grad_()
+    h_TD = torch.randn(B * S, dec.cfg.dim, generator=g).to(device).requires_grad_()
     labels_T = torch.randint(0, dec.cfg.vocab_size, (B * S,), generator=g).to(device)
 
     def run() -> None:
-        logits_TV = dec.logits(dec.norm(h_BSD)).flatten(0, 1).float()
-        torch.nn.functional.cross_entropy(logits_TV, labels_T).backward()
+        for lo in range(0, B * S, HEAD_CHUNK):  # logits (chunk, V) at a time; each chunk's backward
+            hi = min(lo + HEAD_CHUNK, B * S)
+            logits_CV = dec.logits(dec.norm(h_TD[lo:hi])).float()
+            torch.nn.functional.cross_entropy(logits_CV, labels_T[lo:hi], reduction="sum").backward()
 
     return run
 
