@@ -457,6 +457,8 @@ MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_
     "pp2-zbv-vision-stage": (2, ["dist.pp=2", "dist.pp_schedule=ZBVZeroBubble", "dist.pp_vision_stage=true"]),
     "pp2-dualpipev-vision-stage": (2, ["dist.pp=2", "dist.pp_schedule=DualPipeV", "dist.pp_vision_stage=true",
                                        "train.grad_accum=4"]),
+    "tp2-pp2-vision-stage": (4, ["dist.pp=2", "dist.tp=2", "dist.pp_vision_stage=true",
+                                 "model.decoder.n_kv_heads=2"]),
     # dist.pp_split: measured (the parts timed on each rank, the max all-reduced, then cut)
     "pp2-measured-vision-stage": (2, ["dist.pp=2", "dist.pp_split=measured", "dist.pp_vision_stage=true",
                                       "dist.pp_schedule=Interleaved1F1B"]),
