@@ -4,7 +4,9 @@ The stages chained in one process give the model's forward; the split minimises 
 cost; and over gloo, PP ranks under a named schedule give one process's losses, gradient norms and
 MoE expert biases on the same rows (rows with images, video and interleaved documents, sparse layers
 that select, MoE). PP(2) x 1F1B and TP(2) x PP(2) x 1F1B run in CI; the other schedules, PP(4) and
-TP(2) x PP(2) x Interleaved1F1B with MMTRAIN_SLOW_TESTS=1.
+TP(2) x PP(2) x Interleaved1F1B with MMTRAIN_SLOW_TESTS=1. `dist.pp_vision_stage` (the encoder's own
+stage 0): its split and chained stages in CI, the trainer's parity under 1F1B, Interleaved1F1B, the V
+schedules and TP(2) x PP(2) slow.
 """
 
 from __future__ import annotations
