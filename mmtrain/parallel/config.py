@@ -28,6 +28,13 @@ class DistConfig:
     # torch.distributed.pipelining's schedule by name (mmtrain/parallel/pipeline.py); micro-batches are
     # train.grad_accum's. Interleaved1F1B / ZBVZeroBubble / DualPipeV run 2 stages a rank.
     pp_schedule: str = "1F1B"
+    # the vision encoder, its projector and the token embedding on a stage of their own (stage 0, no
+    # decoder layer); the decoder layers split over the other pp x stages-a-rank - 1 stages
+    pp_vision_stage: bool = False
+    # where the stages are cut: flops (pipeline.stage_costs, a FLOP model) or measured (one forward +
+    # backward of the encoder, each layer kind and the head timed on the device before the split,
+    # the max over the ranks: mmtrain/parallel/stage_timing.py)
+    pp_split: Literal["flops", "measured"] = "flops"
     ep: int = 1  # expert parallelism: ranks that split each MoE layer's routed experts (from dp_shard x cp)
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_s: float = 600.0  # collective timeout: a dead or stuck rank ends the job instead of a hang
@@ -43,6 +50,10 @@ class DistConfig:
         check(self, "timeout_s", gt=0)
         check(self, "compile_backend", choices=("inductor", "aot_eager"))
         check(self, "pp_schedule", choices=PP_SCHEDULES)
+        check(self, "pp_split", choices=("flops", "measured"))
         check(self, "dp_replicate", "cp", "tp", "pp", "ep", ge=1)
+        if self.pp_vision_stage and self.pp < 2:
+            raise ValueError(f"pp_vision_stage: a stage of its own for the vision encoder needs dist.pp >= 2 "
+                             f"(got pp {self.pp}); set pp_vision_stage: false")
         if self.dp_shard != -1 and self.dp_shard < 1:
             raise ValueError(f"dp_shard: must be >= 1 or -1 (the rest of the world) (got {self.dp_shard})")

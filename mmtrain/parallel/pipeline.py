@@ -1,7 +1,7 @@
 """Pipeline parallelism: the real model cut into stages, run by `torch.distributed.pipelining`.
 
     costs = stage_costs(model, seq_len, visual_fraction)    # FLOPs per token: vision, each layer, head
-    ranges = split_layers(costs, n_stages)                 # contiguous decoder layers per stage
+    ranges = split_layers(costs, n_stages, vision_stage)   # contiguous decoder layers per stage
     parts = [StageModel(model_copy, s, n_stages, ranges[s]) for s in stage_ids(name, pp_rank, pp)]
     schedule = build_schedule(name, stages, n_microbatches, loss_fn)
 
@@ -14,6 +14,13 @@ cut comes from a stated cost model, `stage_costs`: training FLOPs per decoder to
 `models/counting.flops_per_token`), the vision encoder's FLOPs per decoder token (its per-patch
 cost x merge^2 x the visual fraction) counted on stage 0, the LM head's (6 x D x V) on the last;
 `split_layers` then minimises the largest stage's cost.
+
+`dist.pp_vision_stage` gives the encoder a stage of its own (as torchtitan's open Kimi-K3 PR does):
+stage 0 holds the vision encoder, its projector and the token embedding and no decoder layer (the
+embedding rides with the encoder: the visual tokens are scattered into the embedded row there), and
+the decoder layers split over stages 1..n-1, minimising the largest of those. The stage count stays
+pp x stages a rank (the schedules need a multiple of pp), so 1F1B at pp 2 puts every layer on stage 1.
+`dist.pp_split: measured` hands `split_layers` times in place of FLOPs (mmtrain/parallel/stage_timing.py).
 
 What crosses a stage boundary: the residual stream h_BSD and a (2,) tensor of the MoE auxiliary
 losses summed over the layers so far (moe_seq_balance, router_z): it rides along the activations,
@@ -80,7 +87,12 @@ def check_pipeline_config(cfg, dims) -> None:
     if cfg.vision.balance != "none":
         raise UserError("vision.balance: spreads the encoder over data ranks, but with dist.pp > 1 only "
                         "stage 0 encodes; set vision.balance: none")
-    if cfg.model.decoder.n_layers < dims.pp * stages_per_rank(d.pp_schedule):
+    n_stages = dims.pp * stages_per_rank(d.pp_schedule)
+    if d.pp_vision_stage and cfg.model.decoder.n_layers < n_stages - 1:
+        raise UserError(f"dist.pp_vision_stage: the {n_stages - 1} stages after the vision stage ({dims.pp} "
+                        f"ranks x {stages_per_rank(d.pp_schedule)} a rank, {d.pp_schedule}) need as many "
+                        f"decoder layers (model.decoder.n_layers is {cfg.model.decoder.n_layers})")
+    if not d.pp_vision_stage and cfg.model.decoder.n_layers < n_stages:
         raise UserError(f"dist.pp: {dims.pp} ranks x {stages_per_rank(d.pp_schedule)} stages a rank "
                         f"({d.pp_schedule}) need as many decoder layers (model.decoder.n_layers is "
                         f"{cfg.model.decoder.n_layers})")
@@ -128,9 +140,19 @@ def _inactive_routed_layer(layer: nn.Module) -> int:
     return _inactive_routed(holder)
 
 
-def split_layers(costs: dict, n_stages: int) -> list[range]:
+def split_layers(costs: dict, n_stages: int, vision_stage: bool = False) -> list[range]:
     """Contiguous decoder layers per stage (at least one each) minimising the largest stage cost,
-    the vision encoder's cost added to stage 0 and the head's to the last (exact: dynamic programming)."""
+    the vision encoder's cost added to stage 0 and the head's to the last (exact: dynamic programming).
+    vision_stage: stage 0 holds no layer (range(0, 0)); stages 1..n-1 split them, minimising the
+    largest of those (the encoder's cost is stage 0's alone, whatever the cut)."""
+    if vision_stage:
+        if n_stages < 2:
+            raise UserError(f"dist.pp_vision_stage: needs at least 2 pipeline stages (got {n_stages}); "
+                            f"set dist.pp >= 2 or dist.pp_vision_stage: false")
+        if n_stages - 1 > len(costs["layers"]):
+            raise UserError(f"dist.pp_vision_stage: the {n_stages - 1} stages after the vision stage need "
+                            f"as many decoder layers (model.decoder.n_layers is {len(costs['layers'])})")
+        return [range(0, 0), *split_layers({**costs, "vision": 0.0}, n_stages - 1)]
     c = costs["layers"]
     L = len(c)
     if n_stages > L:
@@ -237,17 +259,18 @@ class StageModel(nn.Module):
         return h_BSD, aux_2
 
 
-def build_stage_models(model: MultimodalModel, schedule: str, pp_rank: int, pp: int,
-                       seq_len: int) -> list[StageModel]:
-    """This rank's stages (each a pruned deep copy of `model`), split by `stage_costs`. Split first,
-    then checkpoint / compile each stage's blocks (torchtitan's order): an activation-checkpointed
-    block's forward is an instance attribute closing over the block, which a deep copy would share."""
+def build_stage_models(model: MultimodalModel, schedule: str, pp_rank: int, pp: int, seq_len: int,
+                       vision_stage: bool = False, costs: dict | None = None) -> list[StageModel]:
+    """This rank's stages (each a pruned deep copy of `model`), split by `costs` (default `stage_costs`;
+    dist.pp_split: measured passes times) with dist.pp_vision_stage's `vision_stage`. Split first, then
+    checkpoint / compile each stage's blocks (torchtitan's order): an activation-checkpointed block's
+    forward is an instance attribute closing over the block, which a deep copy would share."""
     wrapped = [m for m in model.modules() if "forward" in vars(m)]
     if wrapped:
         raise ValueError("build_stage_models: split the plain model, then apply activation checkpointing "
                          "(dist.activation_checkpointing) to each stage's blocks")
     n_stages = pp * stages_per_rank(schedule)
-    ranges = split_layers(stage_costs(model, seq_len), n_stages)
+    ranges = split_layers(costs or stage_costs(model, seq_len), n_stages, vision_stage)
     ids = stage_ids(schedule, pp_rank, pp)
     return [StageModel(copy.deepcopy(model) if len(ids) > 1 else model, s, n_stages, ranges[s])
             for s in ids]

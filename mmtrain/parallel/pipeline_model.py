@@ -40,6 +40,7 @@ from mmtrain.parallel.pipeline import (
     gather_full_model,
     pp_grad_norm,
 )
+from mmtrain.parallel.stage_timing import measured_costs
 from mmtrain.parallel.tensor_parallel import apply_tp_layers, check_tp
 
 Tensor = torch.Tensor
@@ -79,7 +80,9 @@ class PipelineModel:
         self.cfg, self.dims, self.device = cfg, dims, device
         model = MultimodalModel(cfg.model).to(device)  # every rank the same weights (one seed)
         self.full = copy.deepcopy(model)  # the evaluation replica (a full copy a rank)
-        self.parts = build_stage_models(model, cfg.dist.pp_schedule, dims.pp_rank, dims.pp, cfg.data.seq_len)
+        costs = measured_costs(model, cfg, device) if cfg.dist.pp_split == "measured" else None  # world MAX
+        self.parts = build_stage_models(model, cfg.dist.pp_schedule, dims.pp_rank, dims.pp, cfg.data.seq_len,
+                                        cfg.dist.pp_vision_stage, costs)
         if cfg.dist.activation_checkpointing:
             checkpoint_stages(self.parts, device)
         if dims.tp > 1:  # after the split (a deep copy would share the patched forwards' closures)

@@ -1,14 +1,19 @@
 """Pipeline parallelism in the plan: the reported rank's stages traced, the schedule in closed form.
 
 The split is the trainer's (mmtrain/parallel/pipeline.py: `stage_costs` on the full model,
-`split_layers`, `stage_ids` of `dist.pp_schedule`). What is traced is this rank's decoder layers
-(all its stages' layers, in order) on the rank's data-parallel world (gpus / pp ranks: pp is the
-outermost mesh dim, so a stage's dp ranks are a contiguous block), one micro-batch, by the plan's
-usual trace (one layer per kind, scaled). Stated, not traced:
+`split_layers` with `dist.pp_vision_stage`, `stage_ids` of `dist.pp_schedule`). What is traced is
+this rank's decoder layers (all its stages' layers, in order) on the rank's data-parallel world
+(gpus / pp ranks: pp is the outermost mesh dim, so a stage's dp ranks are a contiguous block), one
+micro-batch, by the plan's usual trace (one layer per kind, scaled). Stated, not traced:
 
 - every stage is traced holding the vision encoder, the embedding and the LM head (only stage 0 /
   the last stage hold them): an upper bound for the other stages' memory; their FLOPs are
   counted only on the stages that hold them;
+- `dist.pp_split: measured` cuts by times the trainer takes on the devices at launch: the plan
+  cannot time, so it plans the FLOP split and says so (`split_by`);
+- a rank whose stages hold no decoder layer (the vision stage of 1F1B / GPipe under
+  `dist.pp_vision_stage`) is traced with one layer (the model needs one): its memory and traffic
+  an upper bound, its FLOPs not counted;
 - memory: the traced micro-batch's activations x the micro-batches in flight at the peak (GPipe:
   all `grad_accum`; 1F1B and the looped / V schedules: pp - stage for the rank's first stage,
   at most `grad_accum`);
@@ -29,6 +34,8 @@ import copy
 import torch
 
 PER_MB = ("all_to_all", "all_gather")  # collective kinds issued once per micro-batch
+# flops.component_flops' decoder-layer components
+LAYER_FLOPS = ("full attention", "sparse attention", "dense ffn", "moe experts", "shared experts", "router")
 
 
 def stage_plan(cfg, dims) -> dict:
@@ -40,12 +47,13 @@ def stage_plan(cfg, dims) -> dict:
     v = stages_per_rank(schedule)
     with torch.device("meta"):
         model = MultimodalModel(cfg.model)
-    ranges = split_layers(stage_costs(model, cfg.data.seq_len), pp * v)
+    ranges = split_layers(stage_costs(model, cfg.data.seq_len), pp * v, cfg.dist.pp_vision_stage)
     mine = stage_ids(schedule, dims.pp_rank, pp)
     layers = [i for s in mine for i in ranges[s]]
     in_flight = m if schedule == "GPipe" else min(m, pp - dims.pp_rank)
     return {"schedule": schedule, "stages": mine, "n_stages": pp * v, "layers": layers,
-            "split": [[r.start, r.stop] for r in ranges], "microbatches": m, "in_flight": in_flight,
+            "split": [[r.start, r.stop] for r in ranges], "split_by": cfg.dist.pp_split,
+            "microbatches": m, "in_flight": in_flight,
             "bubble": (pp - 1) / (v * m + pp - 1)}
 
 
@@ -54,7 +62,8 @@ def stage_config(cfg, info: dict):
     from mmtrain.plan.layers import layer_kinds, reduced
 
     kinds = layer_kinds(cfg.model.decoder)
-    out = reduced(cfg, [kinds[i] for i in info["layers"]], cfg.model.vision.depth)
+    ids = info["layers"] or [0]  # a vision stage alone: one layer traced, its FLOPs dropped (`pipelined`)
+    out = reduced(cfg, [kinds[i] for i in ids], cfg.model.vision.depth)
     out.dist.pp, out.train.grad_accum = 1, 1
     return out
 
@@ -65,7 +74,8 @@ def pipelined(trace, info: dict, cfg, dims, per_node: int):
     m = info["microbatches"]
     n = info["n_stages"]
     absent = ({"vit"} if 0 not in info["stages"] else set()) | \
-        ({"lm head", "visual head"} if n - 1 not in info["stages"] else set())  # not on this rank's stages
+        ({"lm head", "visual head"} if n - 1 not in info["stages"] else set()) | \
+        (set(LAYER_FLOPS) if not info["layers"] else set())  # not on this rank's stages
     out.flops = {k: 0.0 if k in absent else v * m for k, v in trace.flops.items()}
     out.comm = {k: [c * m, b * m] if k[1] in PER_MB else list(v) for k, v in trace.comm.items()
                 for c, b in [v]}

@@ -104,8 +104,12 @@ def text(plan: dict) -> str:
 def _pipeline(p: dict) -> list[str]:
     if not p:
         return []
-    return [f"pipeline: {p['schedule']}, stages {p['stages']} of {p['n_stages']} (decoder layers "
-            f"{p['layers'][0]}..{p['layers'][-1]} traced; split {p['split']}), {p['microbatches']} "
+    layers = (f"decoder layers {p['layers'][0]}..{p['layers'][-1]} traced" if p["layers"] else
+              "no decoder layer: one traced for memory, its FLOPs not counted")
+    split = p["split"] if p.get("split_by") != "measured" else \
+        f"{p['split']}: the FLOP split; dist.pp_split: measured cuts by times taken at launch"
+    return [f"pipeline: {p['schedule']}, stages {p['stages']} of {p['n_stages']} ({layers}; "
+            f"split {split}), {p['microbatches']} "
             f"micro-batches, {p['in_flight']} in flight at the peak, bubble {p['bubble']:.0%} (closed form "
             f"(pp - 1) / (v m + pp - 1), in the roofline's compute time)"]
 

@@ -62,7 +62,7 @@ def pipelined(cfg, model, batches, steps, accum, schedule, rank, world):
     )
 
     device = torch.device("cpu")
-    parts = build_stage_models(model, schedule, rank, world, cfg.data.seq_len)
+    parts = build_stage_models(model, schedule, rank, world, cfg.data.seq_len, cfg.dist.pp_vision_stage)
     if cfg.dist.activation_checkpointing:
         checkpoint_stages(parts, device)
     last = next((p for p in parts if p.is_last), parts[-1])

@@ -4,7 +4,9 @@ The stages chained in one process give the model's forward; the split minimises 
 cost; and over gloo, PP ranks under a named schedule give one process's losses, gradient norms and
 MoE expert biases on the same rows (rows with images, video and interleaved documents, sparse layers
 that select, MoE). PP(2) x 1F1B and TP(2) x PP(2) x 1F1B run in CI; the other schedules, PP(4) and
-TP(2) x PP(2) x Interleaved1F1B with MMTRAIN_SLOW_TESTS=1.
+TP(2) x PP(2) x Interleaved1F1B with MMTRAIN_SLOW_TESTS=1. `dist.pp_vision_stage` (the encoder's own
+stage 0): its split and chained stages in CI, the trainer's parity under 1F1B, Interleaved1F1B, the V
+schedules and TP(2) x PP(2) slow.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from mmtrain.models.testing import IMAGE, VIDEO, pack, random_doc
 from mmtrain.parallel.pipeline import (
     AUX_NAMES,
     StageModel,
+    build_stage_models,
     schedule_class,
     split_layers,
     stage_costs,
@@ -120,6 +123,60 @@ def test_split_minimises_the_largest_stage_and_counts_the_vision_encoder():
             assert best <= max(_stage_loads(costs, ranges)) + 1e-9
     heavy = {**costs, "vision": 3 * max(costs["layers"])}
     assert len(split_layers(heavy, 2)[0]) < len(split_layers({**costs, "vision": 0.0}, 2)[0])
+
+
+@pytest.mark.parametrize("name,pp", [("1F1B", 2), ("GPipe", 3), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)])
+def test_vision_stage_holds_no_decoder_layer_and_the_others_every_layer_once(name, pp):
+    """dist.pp_vision_stage: stage 0 holds the encoder, projector and embedding and no decoder layer;
+    the other stages hold every layer once, in order, cut to minimise the largest of their costs; the
+    stages chained in one process give the model's forward and every parameter once."""
+    model = _model(6)
+    costs = stage_costs(model, 96)
+    n = pp * (1 if name in ("1F1B", "GPipe") else 2)
+    parts = []
+    for rank in range(pp):
+        parts += build_stage_models(copy.deepcopy(model), name, rank, pp, 96, vision_stage=True)
+    parts.sort(key=lambda p: p.stage)
+    assert [p.stage for p in parts] == list(range(n))
+    assert parts[0].layer_ids == [] and parts[0].vision is not None and parts[0].decoder.embed is not None
+    assert all(p.vision is None and p.decoder.embed is None for p in parts[1:])
+    assert [i for p in parts[1:] for i in p.layer_ids] == list(range(6))
+    assert all(p.layer_ids for p in parts[1:])
+    ranges = [range(p.layer_ids[0], p.layer_ids[-1] + 1) for p in parts[1:]]
+    best = max(_stage_loads({**costs, "vision": 0.0}, ranges))
+    for cuts in itertools.combinations(range(1, 6), n - 2):  # every contiguous split of stages 1..n-1
+        bounds = [0, *cuts, 6]
+        other = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+        assert best <= max(_stage_loads({**costs, "vision": 0.0}, other)) + 1e-9
+    inputs = _inputs(model)
+    out = model(**inputs)
+    x, aux = inputs["tokens_BS"], None
+    for part in parts:
+        x, aux = part(x, aux, **inputs)
+    torch.testing.assert_close(x, out.hidden_BSD, rtol=1e-5, atol=1e-6)
+    names = [n for p in parts for n, _ in p.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters() if not n.startswith("visual_head"))
+
+
+def test_vision_stage_that_cannot_fit_is_a_one_line_error(corpus, tmp_path):
+    from types import SimpleNamespace
+
+    from mmtrain.parallel.pipeline import check_pipeline_config
+
+    with pytest.raises(UserError, match="dist.pp_vision_stage"):
+        split_layers(stage_costs(_model(2), 96), 1, vision_stage=True)
+    with pytest.raises(UserError, match="dist.pp_vision_stage"):
+        split_layers(stage_costs(_model(2), 96), 4, vision_stage=True)  # 3 stages after it, 2 layers
+    with pytest.raises(UserError, match="dist.pp_vision_stage") as e:
+        tiny_config(corpus, tmp_path / "run", ["dist.pp_vision_stage=true"])  # pp 1: one stage
+    assert "\n" not in str(e.value)
+    cfg = tiny_config(corpus, tmp_path / "run", ["dist.pp=2", "dist.pp_vision_stage=true",
+                                                  "dist.pp_schedule=Interleaved1F1B",
+                                                  "model.decoder.n_layers=2"])
+    with pytest.raises(UserError, match="dist.pp_vision_stage"):
+        check_pipeline_config(cfg, SimpleNamespace(pp=2, ep=1))  # 3 stages after the vision stage
+    cfg.model.decoder.n_layers = 3
+    check_pipeline_config(cfg, SimpleNamespace(pp=2, ep=1))
 
 
 def _stage_loads(costs: dict, ranges: list[range]) -> list[float]:
@@ -395,6 +452,18 @@ MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_
     # two stages a rank: each a deep copy, split over tp after the cut
     "tp2-pp2-interleaved": (4, ["dist.pp=2", "dist.tp=2", "dist.pp_schedule=Interleaved1F1B",
                                 "model.decoder.n_kv_heads=2"]),
+    # dist.pp_vision_stage: stage 0 the encoder and embedding alone, the layers on the other stages
+    "pp2-vision-stage": (2, ["dist.pp=2", "dist.pp_vision_stage=true"]),
+    "pp2-interleaved-vision-stage": (2, ["dist.pp=2", "dist.pp_schedule=Interleaved1F1B",
+                                         "dist.pp_vision_stage=true"]),
+    "pp2-zbv-vision-stage": (2, ["dist.pp=2", "dist.pp_schedule=ZBVZeroBubble", "dist.pp_vision_stage=true"]),
+    "pp2-dualpipev-vision-stage": (2, ["dist.pp=2", "dist.pp_schedule=DualPipeV", "dist.pp_vision_stage=true",
+                                       "train.grad_accum=4"]),
+    "tp2-pp2-vision-stage": (4, ["dist.pp=2", "dist.tp=2", "dist.pp_vision_stage=true",
+                                 "model.decoder.n_kv_heads=2"]),
+    # dist.pp_split: measured (the parts timed on each rank, the max all-reduced, then cut)
+    "pp2-measured-vision-stage": (2, ["dist.pp=2", "dist.pp_split=measured", "dist.pp_vision_stage=true",
+                                      "dist.pp_schedule=Interleaved1F1B"]),
 }
 LAYERS = {"pp4-interleaved": 8}  # a rank's two stages x 4 ranks
 

@@ -6,6 +6,7 @@ bookkeeping (tracker.py) gives the reference's plan; the vision encoder's cost p
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -175,6 +176,35 @@ def test_pipeline_stages_cover_the_layers_once():
         pp = [c for c in plan["comm"] if c["dim"] == "pp"]
         assert [(c["calls"], c["bytes"]) for c in pp] == [(2, h)]
         assert plan["pipeline"]["bubble"] == pytest.approx(1 / 3) and plan["mesh"]["pp"] == 2
+
+
+def test_vision_stage_plan_places_the_stages_as_the_trainer():
+    """dist.pp_vision_stage at PP(2) x 1F1B: the plan's split is the trainer's (stage 0 no layer, stage
+    1 every layer); stage 0's rank counts the encoder's FLOPs and no decoder layer's (the one layer it
+    traces for memory included), stage 1's every decoder layer's and no encoder's."""
+    from mmtrain.parallel.pipeline import build_stage_models
+
+    piped = ["model.decoder.vocab_size=512", "data.batch_size=2", "dist.pp=2", "train.grad_accum=2",
+             "dist.pp_vision_stage=true"]
+    first, last = (make_plan(TINY, 2, "h100", piped, rank=r) for r in (0, 1))
+    cfg = load_config(RunConfig, TINY, piped)
+    with torch.device("meta"):
+        model = MultimodalModel(cfg.model)
+    for rank, plan in ((0, first), (1, last)):
+        stages = build_stage_models(copy.deepcopy(model), "1F1B", rank, 2, cfg.data.seq_len, True)
+        assert plan["pipeline"]["layers"] == stages[0].layer_ids
+    assert last["pipeline"]["layers"] == list(range(cfg.model.decoder.n_layers))
+    assert first["pipeline"]["layers"] == [] and "no decoder layer" in "\n".join(report_lines(first))
+    for k in ("full attention", "sparse attention", "dense ffn", "moe experts", "shared experts", "router"):
+        assert first["flops"]["by_component"][k] == 0
+        assert last["flops"]["by_component"][k] > 0, k
+    assert first["flops"]["by_component"]["vit"] > 0 == last["flops"]["by_component"]["vit"]
+
+
+def report_lines(plan: dict) -> list[str]:
+    from mmtrain.plan.report import text
+
+    return text(plan).splitlines()
 
 
 @pytest.mark.parametrize("cp, dp", [(1, 4), (2, 4), (4, 2)])
