@@ -2,8 +2,9 @@
 at FSDP(4), and back, model and optimizer state are equal; a run killed at one mesh and resumed at
 another continues the uninterrupted run's losses").
 
-At TP(2) x PP(2) a rank holds its stage's parameters under the full model's names, the decoder
-layers' as DTensors split over tp; DCP reshards them to any other mesh. The killed-and-resumed runs
+At TP(2) x PP(2) a rank holds its stage's parameters under the full model's names as FSDP2 shards
+over its pp slice's fsdp group (tp included: tensor_parallel.py slices the gathered weights), so
+DCP reshards them to any other mesh. The killed-and-resumed runs
 keep one data-parallel slot on both sides (TP(2) x PP(2) and one process read the same rows), so the
 data position resumes exactly. TP(2) x PP(2) -> one process kill/resume runs in CI; the rest with
 MMTRAIN_SLOW_TESTS=1.
