@@ -18,7 +18,7 @@ TP2_PP2 = ["dist.tp=2", "dist.pp=2", "model.decoder.n_kv_heads=2"]
 MESHES = {  # (ranks, overrides); the non-dist ones apply to both sides
     # the recompute reissues the tp collectives inside each stage's backward, micro-batch by micro-batch
     "tp2-pp2-ac": (4, [*TP2_PP2, "dist.activation_checkpointing=true"]),
-    # 8 ranks: each stage's layers FSDP2 over (dp_shard 2 x tp 2), two data slots of 2 rows each
+    # 8 ranks: each stage's layers FSDP2 over (dp_shard 2 x tp 2), two data slots of a row each
     "tp2-pp2-fsdp2": (8, TP2_PP2),
     # + the routed experts Shard(0) over ep 2 (from dp_shard), FSDP2 over efsdp x tp; every layer
     # MoE, so both stages (rank 0's too) dispatch over ep

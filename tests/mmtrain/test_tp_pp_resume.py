@@ -4,10 +4,11 @@ another continues the uninterrupted run's losses").
 
 At TP(2) x PP(2) a rank holds its stage's parameters under the full model's names as FSDP2 shards
 over its pp slice's fsdp group (tp included: tensor_parallel.py slices the gathered weights), so
-DCP reshards them to any other mesh. The killed-and-resumed runs
-keep one data-parallel slot on both sides (TP(2) x PP(2) and one process read the same rows), so the
-data position resumes exactly. TP(2) x PP(2) -> one process kill/resume runs in CI; the rest with
-MMTRAIN_SLOW_TESTS=1.
+DCP reshards them to any other mesh. The killed-and-resumed runs keep one data-parallel slot on
+both sides (TP(2) x PP(2), TP(4) and one process read the same rows), so the data position resumes
+exactly; FSDP(4) has four slots, and a change of slots restarts the data at its next epoch
+(mmtrain/state/train_state.py), so across it only the state is compared. TP(2) x PP(2) -> one
+process kill/resume runs in CI; the rest with MMTRAIN_SLOW_TESTS=1.
 """
 
 from __future__ import annotations
