@@ -23,6 +23,9 @@ MESHES = {  # (ranks, overrides); the non-dist ones apply to both sides
     # + the routed experts Shard(0) over ep 2 (from dp_shard), FSDP2 over efsdp x tp; every layer
     # MoE, so both stages (rank 0's too) dispatch over ep
     "tp2-pp2-fsdp2-ep2": (8, [*TP2_PP2, "dist.ep=2", "model.decoder.moe.first_dense_layers=0"]),
+    # M3's pipeline degree: 4 stages of one layer, 4 micro-batches (1F1B), each split over tp
+    "tp2-pp4": (8, ["dist.tp=2", "dist.pp=4", "model.decoder.n_kv_heads=2", "model.decoder.n_layers=4",
+                    "train.grad_accum=4"]),
 }
 
 
