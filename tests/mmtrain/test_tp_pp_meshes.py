@@ -1,7 +1,8 @@
-"""The trainer at TP(2) x PP(2) composed with activation checkpointing, FSDP and EP (gloo, one thread
-a rank): the losses, gradient norms (global and per part), token counts and MoE expert biases of one
-process on the same rows, step by step (test_pipeline.py's parity worker and checks). The plain
-TP(2) x PP(2) case runs in CI (test_pipeline.py); these with MMTRAIN_SLOW_TESTS=1.
+"""The trainer at TP(2) x PP(2) composed with activation checkpointing, FSDP and EP, and at TP(2) x
+PP(4) (gloo, one thread a rank): the losses, gradient norms (global and per part), token counts and
+MoE expert biases of one process on the same rows, step by step (test_pipeline.py's parity worker
+and checks). The plain TP(2) x PP(2) case runs in CI (test_pipeline.py); these with
+MMTRAIN_SLOW_TESTS=1.
 """
 
 from __future__ import annotations

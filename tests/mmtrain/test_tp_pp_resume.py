@@ -42,6 +42,18 @@ def test_state_saved_at_fsdp4_is_the_state_loaded_at_tp2_pp2(make_raw, tmp_path)
     _assert_same_state(runs["tp2xpp2"], runs["one"], "fsdp4->tp2xpp2")
 
 
+@SLOW
+def test_state_saved_at_tp2_pp2_fsdp2_ep2_is_the_state_loaded_in_one_process(make_raw, tmp_path):
+    """8 ranks, M3's layout in small (efsdp 1: the experts Shard(0) over ep, FSDP2 over the tp pair):
+    the experts' and the stages' shards go through DCP; loaded at the saving mesh and in one process,
+    one state."""
+    moe = ["dist.ep=2", "model.decoder.moe.first_dense_layers=0"]
+    runs = _saved_and_loaded(make_raw, tmp_path, 8, [*HEADS, *TP2_PP2, *moe],
+                             {"one": (1, FSDP), "tp2xpp2xfsdp2xep2": (8, [])})
+    assert runs["one"]["step"] == 2 and runs["one"]["optim"]
+    _assert_same_state(runs["tp2xpp2xfsdp2xep2"], runs["one"], "tp2xpp2xfsdp2xep2")
+
+
 # meshes of one data-parallel slot: (ranks, dist overrides)
 RANKS = {"tp2xpp2": (4, TP2_PP2), "one": (1, FSDP), "tp4": (4, ["dist.tp=4", "dist.pp=1"])}
 HEADS4 = ["model.decoder.n_heads=4", "model.decoder.n_kv_heads=4", "model.decoder.mrope_sections=[1, 1, 2]"]
