@@ -76,9 +76,9 @@ def make_plan(config: str, gpus: int, gpu_name: str, overrides=(), scaled: bool 
 
     vision = vision_costs(cfg.vision, result.media_patches, result.mesh)
     plan = report.build(config, result, spec, gpus, params, vision)
-    if dims.pp > 1 and dims.tp > 1:  # the trainer runs it, tested at TP(2) x PP(2) only
+    if dims.pp > 1 and dims.tp > 1:  # the trainer runs it, tested at 2 x 2 (x FSDP(2) x EP(2)) only
         plan["caveat"] = ("dist.tp with dist.pp > 1: planned from the TP and PP halves the plan traces; "
-                          "the trainer runs it, tested at TP(2) x PP(2) on gloo (not with EP)")
+                          "the trainer runs it, tested at TP(2) x PP(2) (x FSDP(2) x EP(2)) on gloo")
     return plan
 
 
