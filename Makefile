@@ -9,7 +9,7 @@ CONFIG ?= configs/tiny.yaml
 RUN    ?= runs/tiny
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install data data-video train test lint bench clean
+.PHONY: install data data-video train test test-slow lint bench clean
 
 # A venv with mmtrain installed editable. A torch already present (e.g. a CUDA build) is kept;
 # otherwise the CPU wheel is installed first, so pip never pulls a multi-GB CUDA build.
@@ -48,6 +48,11 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest
+
+# + the cases behind MMTRAIN_SLOW_TESTS=1 (every schedule and mesh, the plan tables against the docs):
+# many more multi-rank runs than make test; run it after changing the parallel code, the plan or a shipped config
+test-slow: lint
+	MMTRAIN_SLOW_TESTS=1 $(BIN)/python -m pytest
 
 bench: $(STAMP) $(DATA)/manifest.json
 	$(BIN)/python -m tools.bench.bench_loader --data $(DATA)
