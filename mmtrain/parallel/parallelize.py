@@ -144,15 +144,24 @@ def checkpoint_forward(block: nn.Module) -> None:
 
 def _apply_fsdp(model: MultimodalModel, cfg: RunConfig, dims: ParallelDims, device: torch.device,
                 traffic: Traffic | None) -> None:
+    moes = list(model.moe_layers().values())
+    if dims.ep > 1 and not moes:
+        raise UserError("dist.ep: > 1 needs MoE layers (model.decoder.moe)")
+    blocks = [block for blocks in block_lists(model) for block in blocks]
+    shard_blocks(model, moes, blocks, cfg, dims, device, traffic)
+
+
+def shard_blocks(root: nn.Module, moes: list[nn.Module], blocks: list[nn.Module], cfg: RunConfig,
+                 dims: ParallelDims, device: torch.device, traffic: Traffic | None) -> None:
+    """FSDP2 of a whole model or of one pipeline stage (`root`): with dist.ep > 1 first the routed
+    experts of `moes` Shard(0) over ep and `fully_shard` on the expert mesh's (dp_replicate, efsdp[ x tp])
+    part, then each of `blocks` and finally `root` on the dense (dp_replicate, fsdp) mesh."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict = {"reshard_after_forward": cfg.dist.reshard_after_forward}
     if device.type == "cuda" and cfg.train.dtype == "bfloat16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if dims.ep > 1:
-        moes = list(model.moe_layers().values())
-        if not moes:
-            raise UserError("dist.ep: > 1 needs MoE layers (model.decoder.moe)")
+    if dims.ep > 1 and moes:
         experts = dims.expert_mesh(device.type)
         try:
             shard_experts(moes, experts["ep"], traffic)
@@ -162,11 +171,10 @@ def _apply_fsdp(model: MultimodalModel, cfg: RunConfig, dims: ParallelDims, devi
         for moe in moes:
             fully_shard(moe.experts, mesh=fsdp_mesh, **kwargs)
     dense = _fsdp_part(dims.dense_mesh(device.type), "fsdp")
-    for blocks in block_lists(model):
-        for block in blocks:
-            fully_shard(block, mesh=dense, **kwargs)
+    for block in blocks:
+        fully_shard(block, mesh=dense, **kwargs)
     # the root stays gathered after forward (FSDP2's default for a root): backward needs it first
-    fully_shard(model, mesh=dense, **{**kwargs, "reshard_after_forward": None})
+    fully_shard(root, mesh=dense, **{**kwargs, "reshard_after_forward": None})
 
 
 def _fsdp_part(mesh, shard_dim: str):
