@@ -31,7 +31,7 @@ from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.parallel.context_parallel import context_shard
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv, all_reduce
-from mmtrain.parallel.parallelize import scale_expert_grads, shard_blocks
+from mmtrain.parallel.parallelize import prime_probes, scale_expert_grads, shard_blocks
 from mmtrain.parallel.pipeline import (
     StageModel,
     build_stage_models,
@@ -82,6 +82,8 @@ class PipelineModel:
         self.parts = build_stage_models(model, cfg.dist.pp_schedule, dims.pp_rank, dims.pp, cfg.data.seq_len)
         if cfg.dist.activation_checkpointing:
             checkpoint_stages(self.parts, device)
+        elif cfg.model.decoder.ffn_chunk > 0:  # its token chunks checkpoint: the probe first (parallelize)
+            prime_probes(device)
         if dims.tp > 1:  # after the split (a deep copy would share the patched forwards' closures)
             apply_tp_layers([p.decoder.layers[str(i)] for p in self.parts for i in p.layer_ids], dims, device,
                          cfg.data.seq_len, traffic)
