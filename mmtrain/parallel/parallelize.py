@@ -6,7 +6,8 @@ Order (as torchtitan): checkpoint each block, compile each block, shard the rout
 `ep` (mmtrain/parallel/expert_parallel.py), `fully_shard` each MoE layer's experts on the expert
 mesh's (dp_replicate, efsdp[ x tp]) part, then each block and finally the root (embeddings, the vision
 patch embedding and projector, the final norm and the LM head) on the dense (dp_replicate, fsdp)
-mesh: HSDP when dp_replicate > 1. On CUDA with bf16, FSDP2 gathers weights in bf16 and reduces
+mesh: HSDP when dp_replicate > 1 (`shard_blocks`, which each pipeline stage's FSDP shares:
+mmtrain/parallel/pipeline_model.py). On CUDA with bf16, FSDP2 gathers weights in bf16 and reduces
 gradients in fp32 (MixedPrecisionPolicy); the optimizer keeps fp32 shards.
 
 Gradient scale: backward runs on each rank's loss share x world size and FSDP2 averages over its
