@@ -16,7 +16,8 @@ and a step's forward, backward, clip and bias update, the same calls at dist.pp 
 `TrainModule` runs the micro-batches one at a time through the whole model (FSDP2 / DDP from
 mmtrain/parallel/parallelize.py); `PipelineTrainModule` holds this rank's stages
 (mmtrain/parallel/pipeline_model.py) and runs the micro-batches through the schedule
-(mmtrain/loop/pipeline_step.py). Both backward this rank's loss share x world size.
+(mmtrain/loop/pipeline_step.py). The one backwards this rank's loss share x world size, the other
+x the data world (the stages of a pipeline share a data rank); FSDP's average makes either exact.
 """
 
 from __future__ import annotations
