@@ -3,7 +3,9 @@ mmtrain/callbacks.py, one level up, since every subsystem implements it and the 
 every subsystem). It is the top of the trainer: nothing else in mmtrain imports this package
 (`python -m mmtrain.train` and the tests do).
 
-    trainer.py  Trainer: resume, the step (micro-batches -> Objective -> optimizer), eval, checkpoints
+    trainer.py  Trainer: resume, the step (train module -> clip -> optimizer), eval, checkpoints
+    train_module.py  what the trainer steps: the model(s) and a step's forward and backward, one
+                call at dist.pp == 1 and > 1 (pipeline_step.py: the pipeline schedule's step)
     perf.py     throughput, MFU and memory, and the Throughput callback
     logger.py   TensorBoard scalars, the progress line, log files, metrics.jsonl
     faults.py   fault injection (`train.faults`), the last callback

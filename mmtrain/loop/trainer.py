@@ -10,9 +10,9 @@ besides stepping is a callback (mmtrain/callbacks.py) called at fixed points:
                      (train.async_save: written in the background, committed at a later step)
           after the last step (or the time limit): eval -> checkpoint -> on_train_end(summary)
 
-One process or one torchrun rank (parallelism applied from outside: mmtrain/parallel/parallelize.py;
-at dist.pp > 1 the stages of mmtrain/parallel/pipeline_model.py, `trained`, run the step through
-mmtrain/loop/pipeline_step.py, and `model` is a whole replica gathered from them for evaluation).
+One process or one torchrun rank: the model, its parallelism and a step's forward and backward are
+the train module's (mmtrain/loop/train_module.py; at dist.pp > 1 this rank's pipeline stages, `trained`,
+and a whole replica, `model`, gathered from them for evaluation).
 Backward runs on this rank's loss share x world size (FSDP/DDP average gradients); every rank takes
 the same decisions (skip a non-finite step, stop at the time limit) from the step's all-reduced sums.
 """
@@ -44,22 +44,17 @@ from mmtrain.evaluation.dist_eval import evaluate_ranks
 from mmtrain.evaluation.evaluate import EvalResult
 from mmtrain.loop.eta import Eta, format_eta
 from mmtrain.loop.faults import FaultInjection, faults_configured
-from mmtrain.loop.grad_parts import GradParts
-from mmtrain.loop.host_copy import batch_to_device
 from mmtrain.loop.logger import RunLogger
 from mmtrain.loop.perf import Throughput, peak_tflops
-from mmtrain.loop.pipeline_step import PipelineStep
+from mmtrain.loop.train_module import build_train_module
 from mmtrain.objectives.balance import build_balancer
 from mmtrain.objectives.curriculum import Curriculum, stage_data
 from mmtrain.objectives.mixture import MixController
 from mmtrain.objectives.objective import Objective
 from mmtrain.optim import build_optimizer, build_scheduler
 from mmtrain.parallel.comm import Traffic
-from mmtrain.parallel.context_parallel import context_shard
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv, all_reduce, current_env, pick_device
-from mmtrain.parallel.parallelize import build_model, clip_grad_norm, grad_sync, scale_expert_grads
-from mmtrain.parallel.pipeline_model import PipelineModel
 from mmtrain.parallel.vision_balance import install as install_vision_balance
 from mmtrain.run_config import RunConfig
 from mmtrain.state import train_state
@@ -90,21 +85,14 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg.dist, self.env.world_size, self.env.rank)  # the mesh
         self.traffic = Traffic()  # bytes the expert-parallel all-to-alls move (a callback)
         train_state.seed_everything(cfg.train.seed)  # the same initial weights on every rank
-        # dist.pp > 1: `model` is a whole replica for evaluation, `trained` this rank's stages
-        self.pipeline = (PipelineModel(cfg, self.env, self.device, self.dims, self.traffic)
-                         if self.dims.pp > 1 else None)
-        if self.pipeline is not None:
-            self.raw_model = self.model = self.pipeline.full
-        else:
-            self.raw_model, self.model = build_model(cfg, self.env, self.device, self.dims, self.traffic)
-        self.trained = self.pipeline.module if self.pipeline is not None else self.model
-        self.context = (self.pipeline.context if self.pipeline is not None  # the stages' own (tp's chunk)
-                        else context_shard(self.dims, self.device, cfg.data.seq_len, self.traffic))  # or None
+        # dist.pp > 1: `model` is a whole replica for evaluation, `trained` this rank's stages (`pipeline`)
+        tm = self.train_module = build_train_module(cfg, self.env, self.device, self.dims, self.traffic)
+        self.raw_model, self.model, self.trained = tm.raw_model, tm.model, tm.trained
+        self.pipeline, self.context = tm.pipeline, tm.context
         self.vision_balance = install_vision_balance(self.raw_model, cfg.vision, self.dims, self.traffic)
         self.optimizer = build_optimizer(self.trained, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
-        self.grad_parts = GradParts(self.raw_model if self.pipeline is None else self.trained,
-                                    None if self.pipeline is None else self.pipeline.part_norm)
+        self.grad_parts = tm.grad_parts()
         self.balancer = build_balancer(cfg.loss.balancer, {t: getattr(cfg.loss, t) for t in TASK_NAMES})
         self.state = TrainState()
         self.use_train_data(stage_data(cfg.data, cfg.train.stages, 0))
@@ -112,14 +100,12 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, cfg.train.keep_last, self.env)
         self.callbacks = Callbacks([*self.builtin_callbacks(), *callbacks, *self.fault_callbacks()])
         self._mix = self.callbacks.get(MixController)
-        staged = self.pipeline.last if self.pipeline is not None else None  # the LM head's stage
-        self.objective = Objective(cfg, staged or self.model, self.balancer, env=self.env, device=self.device,
-                                   raw_model=staged or self.raw_model, dp_rank=self.dims.dp_rank,
+        head = tm.head  # dist.pp > 1: the LM head's stage
+        self.objective = Objective(cfg, head or self.model, self.balancer, env=self.env, device=self.device,
+                                   raw_model=head or self.raw_model, dp_rank=self.dims.dp_rank,
                                    cp_rank=self.dims.seq_rank, context=self.context, autocast=self.autocast,
                                    pp=self.dims.pp)
-        self.pipeline_step = (PipelineStep(self.objective, self.pipeline.parts, cfg.dist.pp_schedule,
-                                           self.pipeline.group, self.device, cfg.train.grad_accum)
-                              if self.pipeline is not None else None)
+        tm.bind(self.objective)
         self._val_cache: list[PackedBatch] | None = None
         self.verbose = verbose
         self.log: RunLogger | None = None  # open during fit()
@@ -320,16 +306,12 @@ class Trainer:
         self.trained.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = self.objective.begin_step(self.step)
-        if self.pipeline_step is not None:
-            self._pipeline_micro_batches(train_iter, sums)
-        else:
-            self._micro_batches(train_iter, sums)
+        self.train_module.forward_backward(train_iter, sums, lambda loss: self.callbacks.on_loss(self, loss))
         self.objective.end_backward()
         due = (self.step + 1) % self.cfg.train.log_every == 0  # a log step (see is_log_step)
         if due:
             self.grad_parts.measure_grads()  # before clipping
-        norm = (self.pipeline.clip(self.cfg.optim.grad_clip) if self.pipeline is not None  # a 0-dim tensor
-                else clip_grad_norm(self.model, self.cfg.optim.grad_clip))
+        norm = self.train_module.clip(self.cfg.optim.grad_clip)  # a 0-dim tensor
         sums.nonfinite = (~torch.isfinite(sums.loss + norm.double())).double()
         limit = self.cfg.train.time_limit_min
         sums.time_up = float(bool(limit) and time.monotonic() - self._t_launch > limit * 60)
@@ -348,31 +330,6 @@ class Trainer:
         self.state.tokens_seen += int(total.tokens)
         return self.objective.end_step(total, grad_norm=grad_norm, skipped=skipped, started=t_start)
 
-    def _micro_batches(self, train_iter, sums) -> None:
-        """Forward and backward of the step's micro-batches, one at a time."""
-        accum, world = self.cfg.train.grad_accum, self.env.world_size
-        for i in range(accum):
-            t0 = time.perf_counter()
-            batch = next(train_iter)
-            sums.wait_s += time.perf_counter() - t0
-            batch = batch_to_device(batch, self.device)  # pinned + asynchronous on CUDA
-            with grad_sync(self.model, self.env, last=i == accum - 1):
-                loss = self.callbacks.on_loss(self, self.objective.micro_batch(batch, sums))  # e.g. a NaN
-                (loss * world / accum).backward()
-            sums.loss = sums.loss + loss.detach().double() / accum  # on the device: no sync here
-        scale_expert_grads(self.raw_model, self.dims)
-
-    def _pipeline_micro_batches(self, train_iter, sums) -> None:
-        """dist.pp > 1: the step's micro-batches through the schedule (mmtrain/loop/pipeline_step.py);
-        on_loss sees the step's loss (this rank's share: zero off the last stage)."""
-        batches = []
-        for _ in range(self.cfg.train.grad_accum):
-            t0 = time.perf_counter()
-            batches.append(batch_to_device(next(train_iter), self.device))
-            sums.wait_s += time.perf_counter() - t0
-        sums.loss = self.callbacks.on_loss(self, self.pipeline_step.run(batches, sums))
-        self.pipeline.scale_expert_grads()
-
     def _skip_step(self) -> None:
         """A non-finite loss or gradient: drop the update, count it, stop if it keeps happening."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -386,11 +343,7 @@ class Trainer:
 
     def _after_optimizer_step(self) -> None:
         self.state.consecutive_skips = 0
-        # auxiliary-loss-free balancing: the load of all ranks since the last step
-        if self.pipeline is not None:
-            self.pipeline.update_moe_bias(self.env)  # marks the evaluation replica stale too
-            return
-        self.raw_model.update_moe_bias(lambda t: all_reduce(t, self.env) if self.env.distributed else None)
+        self.train_module.update_moe_bias()  # auxiliary-loss-free balancing on every rank's load
 
     def autocast(self):
         if self.device.type == "cuda" and self.cfg.train.dtype == "bfloat16":
@@ -431,8 +384,7 @@ class Trainer:
     def refresh_replica(self) -> None:
         """dist.pp > 1: load the evaluation replica (`model`) with every stage's weights, if they moved;
         before evaluation, diagnostics and captioning. Every rank calls it at the same points."""
-        if self.pipeline is not None:
-            self.pipeline.refresh()
+        self.train_module.refresh()
 
     def pad_batch(self) -> PackedBatch:
         """A batch that adds nothing to any sum: pads a rank's val batches to the others' count."""

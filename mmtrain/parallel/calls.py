@@ -94,13 +94,21 @@ def report() -> str:
     return "\n".join(lines)
 
 
+def enter(op: str, group=None, shape: str = "-", skip: int = 1) -> Call:
+    """Number and remember a call entered now (a wrapped collective, or the pipeline schedule's
+    point-to-point batch: pipeline_p2p.py); its site starts `skip` frames up from enter's caller
+    (1: the caller itself)."""
+    global _count
+    _count += 1
+    entry = Call(_count, op, _group(group), shape, site(skip + 1))
+    _recent.append(entry)
+    return entry
+
+
 def _logged(op: str, fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        global _count
-        _count += 1
-        entry = Call(_count, op, _group(kwargs.get("group")), _shape(args), site(2))
-        _recent.append(entry)
+        entry = enter(op, kwargs.get("group"), _shape(args), skip=2)
         try:
             return fn(*args, **kwargs)
         except Exception as e:

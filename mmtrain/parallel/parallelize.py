@@ -6,7 +6,8 @@ Order (as torchtitan): checkpoint each block, compile each block, shard the rout
 `ep` (mmtrain/parallel/expert_parallel.py), `fully_shard` each MoE layer's experts on the expert
 mesh's (dp_replicate, efsdp[ x tp]) part, then each block and finally the root (embeddings, the vision
 patch embedding and projector, the final norm and the LM head) on the dense (dp_replicate, fsdp)
-mesh: HSDP when dp_replicate > 1. On CUDA with bf16, FSDP2 gathers weights in bf16 and reduces
+mesh: HSDP when dp_replicate > 1 (`shard_blocks`, which each pipeline stage's FSDP shares:
+mmtrain/parallel/pipeline_model.py). On CUDA with bf16, FSDP2 gathers weights in bf16 and reduces
 gradients in fp32 (MixedPrecisionPolicy); the optimizer keeps fp32 shards.
 
 Gradient scale: backward runs on each rank's loss share x world size and FSDP2 averages over its
@@ -144,15 +145,24 @@ def checkpoint_forward(block: nn.Module) -> None:
 
 def _apply_fsdp(model: MultimodalModel, cfg: RunConfig, dims: ParallelDims, device: torch.device,
                 traffic: Traffic | None) -> None:
+    moes = list(model.moe_layers().values())
+    if dims.ep > 1 and not moes:
+        raise UserError("dist.ep: > 1 needs MoE layers (model.decoder.moe)")
+    blocks = [block for blocks in block_lists(model) for block in blocks]
+    shard_blocks(model, moes, blocks, cfg, dims, device, traffic)
+
+
+def shard_blocks(root: nn.Module, moes: list[nn.Module], blocks: list[nn.Module], cfg: RunConfig,
+                 dims: ParallelDims, device: torch.device, traffic: Traffic | None) -> None:
+    """FSDP2 of a whole model or of one pipeline stage (`root`): with dist.ep > 1 first the routed
+    experts of `moes` Shard(0) over ep and `fully_shard` on the expert mesh's (dp_replicate, efsdp[ x tp])
+    part, then each of `blocks` and finally `root` on the dense (dp_replicate, fsdp) mesh."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict = {"reshard_after_forward": cfg.dist.reshard_after_forward}
     if device.type == "cuda" and cfg.train.dtype == "bfloat16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if dims.ep > 1:
-        moes = list(model.moe_layers().values())
-        if not moes:
-            raise UserError("dist.ep: > 1 needs MoE layers (model.decoder.moe)")
+    if dims.ep > 1 and moes:
         experts = dims.expert_mesh(device.type)
         try:
             shard_experts(moes, experts["ep"], traffic)
@@ -162,11 +172,10 @@ def _apply_fsdp(model: MultimodalModel, cfg: RunConfig, dims: ParallelDims, devi
         for moe in moes:
             fully_shard(moe.experts, mesh=fsdp_mesh, **kwargs)
     dense = _fsdp_part(dims.dense_mesh(device.type), "fsdp")
-    for blocks in block_lists(model):
-        for block in blocks:
-            fully_shard(block, mesh=dense, **kwargs)
+    for block in blocks:
+        fully_shard(block, mesh=dense, **kwargs)
     # the root stays gathered after forward (FSDP2's default for a root): backward needs it first
-    fully_shard(model, mesh=dense, **{**kwargs, "reshard_after_forward": None})
+    fully_shard(root, mesh=dense, **{**kwargs, "reshard_after_forward": None})
 
 
 def _fsdp_part(mesh, shard_dim: str):

@@ -61,6 +61,7 @@ from mmtrain.models.counting import _inactive_routed, _matmul_params, attention_
 from mmtrain.models.decoder import local_visual, scatter_visual
 from mmtrain.models.moe import MoE
 from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.parallel import pipeline_p2p
 from mmtrain.parallel.parallelize import _by_mesh, checkpoint_forward, global_norm, prime_probes
 
 Tensor = torch.Tensor
@@ -321,7 +322,8 @@ def run_schedule(schedule, arg_mbs: list, kwarg_mbs: list, target_mbs: list) -> 
     for stage in stages:  # what step() does before its split
         stage.has_backward = schedule._has_backward
         stage.clear_runtime_states()
-    schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs=False)
+    with pipeline_p2p.named(stages[0].group):  # gloo: the sends and receives bounded and named
+        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs=False)
 
 
 def gather_full_model(parts: list[StageModel], pp_group, model: MultimodalModel) -> MultimodalModel:

@@ -31,7 +31,7 @@ from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.parallel.context_parallel import context_shard
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv, all_reduce
-from mmtrain.parallel.parallelize import scale_expert_grads
+from mmtrain.parallel.parallelize import prime_probes, scale_expert_grads, shard_blocks
 from mmtrain.parallel.pipeline import (
     StageModel,
     build_stage_models,
@@ -85,6 +85,8 @@ class PipelineModel:
                                         cfg.dist.pp_vision_stage, costs)
         if cfg.dist.activation_checkpointing:
             checkpoint_stages(self.parts, device)
+        elif cfg.model.decoder.ffn_chunk > 0:  # its token chunks checkpoint: the probe first (parallelize)
+            prime_probes(device)
         if dims.tp > 1:  # after the split (a deep copy would share the patched forwards' closures)
             apply_tp_layers([p.decoder.layers[str(i)] for p in self.parts for i in p.layer_ids], dims, device,
                          cfg.data.seq_len, traffic)
@@ -165,29 +167,8 @@ def pp_grad_norm_of(grads: list[Tensor], group) -> Tensor:
 
 
 def _shard_stage(part: StageModel, cfg, dims: ParallelDims, device: torch.device, traffic) -> None:
-    """FSDP2 over the pp slice's dense mesh: each vision block and decoder layer, then the stage;
-    with dist.ep > 1 first the routed experts Shard(0) over ep and FSDP2 over the rest (efsdp), as
-    parallelize._apply_fsdp does for the whole model."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from mmtrain.parallel.parallelize import _fsdp_part
-
-    kwargs: dict = {"reshard_after_forward": cfg.dist.reshard_after_forward}
-    if device.type == "cuda" and cfg.train.dtype == "bfloat16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if dims.ep > 1 and part.moe_layers():
-        from mmtrain.parallel.expert_parallel import shard_experts
-
-        experts = dims.expert_mesh(device.type)
-        try:
-            shard_experts(list(part.moe_layers().values()), experts["ep"], traffic)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        for moe in part.moe_layers().values():  # (dp_replicate, efsdp[ x tp]), as parallelize's
-            fully_shard(moe.experts, mesh=dims.expert_fsdp_mesh(device.type), **kwargs)
-    dense = _fsdp_part(dims.dense_mesh(device.type), "fsdp")
+    """FSDP2 over the pp slice's dense mesh (parallelize.shard_blocks): with dist.ep > 1 the stage's
+    routed experts first, then each vision block and decoder layer, then the stage."""
     blocks = [*(part.vision.blocks if part.vision is not None else []),
               *(part.decoder.layers[str(i)] for i in part.layer_ids)]
-    for block in blocks:
-        fully_shard(block, mesh=dense, **kwargs)
-    fully_shard(part, mesh=dense, **{**kwargs, "reshard_after_forward": None})
+    shard_blocks(part, list(part.moe_layers().values()), blocks, cfg, dims, device, traffic)
