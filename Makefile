@@ -47,7 +47,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30
 
 # + the cases behind MMTRAIN_SLOW_TESTS=1 (every schedule and mesh, the plan tables against the docs):
 # many more multi-rank runs than make test; run it after changing the parallel code, the plan or a shipped config
