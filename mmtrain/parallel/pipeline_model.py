@@ -53,8 +53,6 @@ def check_pipeline_mesh(cfg, dims: ParallelDims) -> None:
     check_pipeline_config(cfg, dims)
     if dims.tp > 1:
         check_tp(cfg, dims)  # the stages split their layers as the whole model does
-    if dims.cp > 1:
-        raise UserError("dist.cp: not supported together with dist.pp > 1 yet; set dist.cp: 1")
 
 
 class StageUnion(nn.Module):

@@ -4,9 +4,9 @@ The stages chained in one process give the model's forward; the split minimises 
 cost; and over gloo, PP ranks under a named schedule give one process's losses, gradient norms and
 MoE expert biases on the same rows (rows with images, video and interleaved documents, sparse layers
 that select, MoE). PP(2) x 1F1B and TP(2) x PP(2) x 1F1B run in CI; the other schedules, PP(4) and
-TP(2) x PP(2) x Interleaved1F1B with MMTRAIN_SLOW_TESTS=1. `dist.pp_vision_stage` (the encoder's own
-stage 0): its split and chained stages in CI, the trainer's parity under 1F1B, Interleaved1F1B, the V
-schedules and TP(2) x PP(2) slow.
+TP(2) x PP(2) x Interleaved1F1B and CP(2) x PP(2) with MMTRAIN_SLOW_TESTS=1. `dist.pp_vision_stage`
+(the encoder's own stage 0): its split and chained stages in CI, the trainer's parity under 1F1B,
+Interleaved1F1B, the V schedules and TP(2) x PP(2) slow.
 """
 
 from __future__ import annotations
@@ -452,6 +452,8 @@ MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_
     # two stages a rank: each a deep copy, split over tp after the cut
     "tp2-pp2-interleaved": (4, ["dist.pp=2", "dist.tp=2", "dist.pp_schedule=Interleaved1F1B",
                                 "model.decoder.n_kv_heads=2"]),
+    # context parallelism on the stages: each cp rank's chunk crosses the boundary, K/V fetched per layer
+    "cp2-pp2": (4, ["dist.pp=2", "dist.cp=2", "model.decoder.attention.full_tile=16"]),
     # dist.pp_vision_stage: stage 0 the encoder and embedding alone, the layers on the other stages
     "pp2-vision-stage": (2, ["dist.pp=2", "dist.pp_vision_stage=true"]),
     "pp2-interleaved-vision-stage": (2, ["dist.pp=2", "dist.pp_schedule=Interleaved1F1B",
@@ -481,7 +483,6 @@ def test_trainer_at_pipeline_meshes_matches_one_process(raw_for, tmp_path, mesh)
 @pytest.mark.parametrize("overrides, world, key", [
     (["dist.tp=2"], 4, "model.decoder.n_kv_heads"),  # tp's own rules hold on the stages too
     (["dist.ep=2", "model.decoder.moe=null"], 4, "dist.ep"),
-    (["dist.cp=2", "data.seq_len=256"], 4, "dist.cp"),
 ])
 def test_trainer_refuses_pipeline_meshes_it_does_not_build(corpus, tmp_path, overrides, world, key):
     from mmtrain.parallel.dims import ParallelDims
@@ -495,3 +496,6 @@ def test_trainer_refuses_pipeline_meshes_it_does_not_build(corpus, tmp_path, ove
     check_pipeline_mesh(fsdp, ParallelDims.from_config(fsdp.dist, 4))  # PP(2) x FSDP(2) builds
     tp = tiny_config(corpus, tmp_path / "run", ["dist.pp=2", "dist.tp=2", "model.decoder.n_kv_heads=2"])
     check_pipeline_mesh(tp, ParallelDims.from_config(tp.dist, 4))  # PP(2) x TP(2) builds
+    cp = tiny_config(corpus, tmp_path / "run",
+                     ["dist.pp=2", "dist.cp=2", "model.decoder.attention.full_tile=16"])
+    check_pipeline_mesh(cp, ParallelDims.from_config(cp.dist, 4))  # PP(2) x CP(2) builds
