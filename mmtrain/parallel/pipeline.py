@@ -62,7 +62,7 @@ from mmtrain.models.decoder import local_visual, scatter_visual
 from mmtrain.models.moe import MoE
 from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.parallel import pipeline_p2p
-from mmtrain.parallel.parallelize import _by_mesh, checkpoint_forward, global_norm, prime_probes
+from mmtrain.parallel.parallelize import _by_mesh, checkpoint_forward, global_norm, layer_graphs, prime_probes
 
 Tensor = torch.Tensor
 
@@ -82,9 +82,6 @@ def check_pipeline_config(cfg, dims) -> None:
         raise UserError("dist.pp_schedule: DualPipeV overlaps one micro-batch's forward with another's "
                         "backward, which needs an F/B overlap of the expert all-to-alls (dist.ep > 1) "
                         "that is not implemented; use ZBVZeroBubble or Interleaved1F1B")
-    if d.compile:
-        raise UserError("dist.compile: not supported with dist.pp > 1 yet (the stages call the layers "
-                        "outside Decoder.forward and were tested eager); set dist.compile: false")
     if cfg.vision.balance != "none":
         raise UserError("vision.balance: spreads the encoder over data ranks, but with dist.pp > 1 only "
                         "stage 0 encodes; set vision.balance: none")
@@ -289,6 +286,23 @@ def checkpoint_stages(parts: list[StageModel], device: torch.device) -> None:
             checkpoint_forward(block)
 
 
+def compile_stages(parts: list[StageModel], backend: str) -> None:
+    """dist.compile: torch.compile each vision block and decoder layer a stage holds, as
+    parallelize.compile_blocks does for one model (after checkpointing, before tp and FSDP)."""
+    if not parts:
+        return
+    dec = parts[0].decoder.cfg
+    kinds = len({(dec.is_sparse(i), dec.is_moe(i)) for i in range(dec.n_layers)})
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, layer_graphs(kinds))
+    for part in parts:
+        if part.vision is not None:
+            blocks = part.vision.blocks
+            for j, block in enumerate(blocks):
+                blocks[j] = torch.compile(block, backend=backend)
+        for i in part.layer_ids:
+            part.decoder.layers[str(i)] = torch.compile(part.decoder.layers[str(i)], backend=backend)
+
+
 def build_schedule(name: str, parts: list[StageModel], pp_group, device: torch.device, n_microbatches: int,
                    loss_fn: Callable, example: dict[str, Tensor]):
     """torch's schedule over this rank's stages. Shapes are given up front (static mode: no
@@ -330,7 +344,8 @@ def gather_full_model(parts: list[StageModel], pp_group, model: MultimodalModel)
     """`model` loaded with every stage's weights (state dicts all-gathered over the pipeline group;
     their names are the full model's): evaluation, diagnostics, captioning and `generate` need
     whole forwards, so they run on this gathered model (memory: a full copy a rank)."""
-    local = {k: v.detach().cpu() for part in parts for k, v in part.state_dict().items()}
+    local = {k.replace("_orig_mod.", ""): v.detach().cpu()  # dist.compile's wrapper, not a name
+             for part in parts for k, v in part.state_dict().items()}
     every: list = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(every, local, group=pp_group)
     missing, unexpected = model.load_state_dict({k: v for d in every for k, v in d.items()}, strict=False)

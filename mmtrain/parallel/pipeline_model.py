@@ -8,9 +8,10 @@
     pipe.clip(max_norm) / pipe.update_moe_bias(env)   # the norm and the bias step over all stages
 
 Order (torchtitan's): split the plain model into stages (mmtrain/parallel/pipeline.py), then
-activation-checkpoint each stage's blocks, then (dist.tp > 1) split each stage's decoder layers over
-tp (mmtrain/parallel/tensor_parallel.py), then FSDP2 each stage's blocks and the stage itself over
-its pp slice's dense mesh (dp_replicate, fsdp; fsdp includes tp) when that has more than one rank.
+activation-checkpoint each stage's blocks, then (dist.compile) compile them, then (dist.tp > 1)
+split each stage's decoder layers over tp (mmtrain/parallel/tensor_parallel.py), then FSDP2 each
+stage's blocks and the stage itself over its pp slice's dense mesh (dp_replicate, fsdp; fsdp
+includes tp) when that has more than one rank.
 torch's PipelineStage drives FSDP itself: no gradient reduce before a stage's last micro-batch.
 
 Under tp the stages run under the sequence-parallel `context` (the (cp, tp) row shard): tp rank t
@@ -37,6 +38,7 @@ from mmtrain.parallel.pipeline import (
     build_stage_models,
     check_pipeline_config,
     checkpoint_stages,
+    compile_stages,
     gather_full_model,
     pp_grad_norm,
 )
@@ -83,6 +85,8 @@ class PipelineModel:
                                         cfg.dist.pp_vision_stage, costs)
         if cfg.dist.activation_checkpointing:
             checkpoint_stages(self.parts, device)
+        if cfg.dist.compile:  # after checkpointing, before the tp split (parallelize.build_model's order)
+            compile_stages(self.parts, cfg.dist.compile_backend)
         elif cfg.model.decoder.ffn_chunk > 0:  # its token chunks checkpoint: the probe first (parallelize)
             prime_probes(device)
         if dims.tp > 1:  # after the split (a deep copy would share the patched forwards' closures)

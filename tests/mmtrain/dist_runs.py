@@ -133,6 +133,8 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
                                          "tokens": [s.tokens for s in stats], "expert_bias": bias,
                                          "task_tokens": [s.task_tokens for s in stats],
                                          "traffic": trainer.traffic.sent,  # all steps (no fit)
+                                         # dist.compile: the graphs Dynamo made on rank 0 (0 if eager)
+                                         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                                          "parts": parts}))
     if env.distributed:
         shutdown()

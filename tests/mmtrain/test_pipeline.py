@@ -252,7 +252,7 @@ def test_config_refuses_what_pipelines_do_not_compose_with(corpus, tmp_path):
 
     assert tuple(SCHEDULES) == PP_SCHEDULES
     cases = {"dist.pp_schedule": (["dist.pp_schedule=DualPipeV"], 2),
-             "dist.compile": (["dist.compile=true"], 1), "vision.balance": (["vision.balance=dp"], 1),
+             "vision.balance": (["vision.balance=dp"], 1),
              "dist.pp: 4": (["dist.pp_schedule=Interleaved1F1B"], 1)}
     for key, (overrides, ep) in cases.items():
         cfg = tiny_config(corpus, tmp_path / "run", overrides)
@@ -384,17 +384,22 @@ def test_state_saved_at_fsdp2_is_the_state_loaded_at_pp2(make_raw, tmp_path):
     _assert_same_state(runs["pp2"], runs["one"], "fsdp2->pp2")
 
 
-@pytest.mark.parametrize("first, then", [
-    pytest.param((2, "dist.pp=2"), (1, "dist.pp=1"), id="pp2-to-one"),
-    pytest.param((1, "dist.pp=1"), (2, "dist.pp=2"), id="one-to-pp2",
-                 marks=pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1"))])
-def test_killed_at_pp2_resumed_in_one_process_continues_the_run(make_raw, tmp_path, first, then):
+_BEYOND_CI = pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
+COMPILED = ["dist.compile=true", "dist.compile_backend=aot_eager"]
+
+
+@pytest.mark.parametrize("first, then, extra", [
+    pytest.param((2, "dist.pp=2"), (1, "dist.pp=1"), [], id="pp2-to-one"),
+    pytest.param((1, "dist.pp=1"), (2, "dist.pp=2"), [], id="one-to-pp2", marks=_BEYOND_CI),
+    # compiled stages save their blocks' weights under the model's names (no `_orig_mod.`)
+    pytest.param((2, "dist.pp=2"), (1, "dist.pp=1"), COMPILED, id="pp2-compiled-to-one", marks=_BEYOND_CI)])
+def test_killed_at_pp2_resumed_in_one_process_continues_the_run(make_raw, tmp_path, first, then, extra):
     """PP(2) and one process read the same rows (one data slot), so a run killed at one and resumed
     at the other continues the uninterrupted run's losses, and ends with its evaluation."""
     from dist_runs import checkpoint_names, losses, train, write_config
 
     ref, run = tmp_path / "ref", tmp_path / "run"
-    base = ["train.grad_accum=2", first[1]]
+    base = ["train.grad_accum=2", first[1], *extra]
     train(write_config(make_raw, ref, base), first[0])
     config = write_config(make_raw, run, base)
     assert train(config, first[0], "train.faults.kill_at_step=5", check=False).returncode != 0
@@ -452,6 +457,10 @@ MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_
     # two stages a rank: each a deep copy, split over tp after the cut
     "tp2-pp2-interleaved": (4, ["dist.pp=2", "dist.tp=2", "dist.pp_schedule=Interleaved1F1B",
                                 "model.decoder.n_kv_heads=2"]),
+    # dist.compile: each stage's blocks compiled (aot_eager: Dynamo + AOTAutograd, no code generation)
+    "pp2-compile": (2, ["dist.pp=2", "dist.compile=true", "dist.compile_backend=aot_eager"]),
+    "tp2-pp2-compile": (4, ["dist.pp=2", "dist.tp=2", "dist.compile=true", "dist.compile_backend=aot_eager",
+                            "model.decoder.n_kv_heads=2"]),
     # context parallelism on the stages: each cp rank's chunk crosses the boundary, K/V fetched per layer
     "cp2-pp2": (4, ["dist.pp=2", "dist.cp=2", "model.decoder.attention.full_tile=16"]),
     # dist.pp_vision_stage: stage 0 the encoder and embedding alone, the layers on the other stages
@@ -476,8 +485,10 @@ def test_trainer_at_pipeline_meshes_matches_one_process(raw_for, tmp_path, mesh)
     nproc, overrides = MESHES[mesh]
     layers = LAYERS.get(mesh, 4)
     accum = [o for o in overrides if not o.startswith("dist.")]  # both sides
-    _check_trainer_parity(*_trainer_parity(raw_for, tmp_path, nproc, overrides,
-                                           base=[f"model.decoder.n_layers={layers}", *accum]))
+    one, pp = _trainer_parity(raw_for, tmp_path, nproc, overrides,
+                              base=[f"model.decoder.n_layers={layers}", *accum])
+    _check_trainer_parity(one, pp)
+    assert one["graphs"] == 0 and (pp["graphs"] > 0) == ("dist.compile=true" in overrides)
 
 
 @pytest.mark.parametrize("overrides, world, key", [

@@ -69,7 +69,9 @@ def test_tensor_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
 @pytest.mark.parametrize("mesh", ["tp4", "fsdp2-tp2", "tp2-cp2", "tp2-ac-accum", "tp2-compile",
                                   "fsdp2-cp2-tp2-ep2", "hsdp2x2-tp2-ep2"])
 def test_tensor_parallel_meshes_match_one_process(raw_for, tmp_path, mesh):
-    _check(*_parity(raw_for, tmp_path, mesh))
+    one, tp = _parity(raw_for, tmp_path, mesh)
+    _check(one, tp)
+    assert one["graphs"] == 0 and (tp["graphs"] > 0) == ("dist.compile=true" in MESHES[mesh][2])
 
 
 @pytest.mark.parametrize("overrides, key", [
