@@ -57,11 +57,18 @@ class PipelineStep:
         if self.schedule is None:
             self.schedule = build_schedule(self.name, self.parts, self.group, self.device, self.accum,
                                            self._loss_fn, mbs[0].inputs)
+        measured = self.objective.measures_attention  # a log step: the layers count what they visit
         for part in self.parts:
             part.records.clear()
+            part.attn_records.clear()
+            part.measure_attn = measured
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         args = [(mb.inputs["tokens_BS"],) for mb in mbs]
         run_schedule(self.schedule, args, [mb.inputs for mb in mbs], mbs)
+        for part in self.parts:  # this rank's layers; the objective sums every layer over the world
+            for counts in part.attn_records:
+                self.objective.add_attention(counts)
+            part.measure_attn = False
         return self._loss
 
     def _loss_fn(self, output: tuple[torch.Tensor, torch.Tensor], mb) -> torch.Tensor:

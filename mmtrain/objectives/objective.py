@@ -198,7 +198,7 @@ class Objective:
         """The micro-batch's loss from its forward's output `mb.out` (a ModelOutput)."""
         chunk, batch = self.cfg.loss.ce_chunk, mb.batch
         if mb.out.attn_stats:
-            self._add_attn(mb.out.attn_stats)
+            self.add_attention(mb.out.attn_stats)
         labels_BS = batch.labels_BS if mb.labels_BS is None else mb.labels_BS
         mb.head = (ChunkedHead(mb.out.hidden_BSD, head_weight(self.raw_model), labels_BS, chunk,
                                self.autocast) if chunk else FullHead(mb.out.logits_BSV, labels_BS))
@@ -228,7 +228,14 @@ class Objective:
             losses = dataclasses.replace(losses, count=dict(zip(TASK_NAMES, mb.counts_T.long())))
         return losses, local_n
 
-    def _add_attn(self, attn_stats: dict) -> None:
+    @property
+    def measures_attention(self) -> bool:
+        """This step counts what attention visits (a log step, whole rows: no cp / tp shard)."""
+        return self._attn is not None
+
+    def add_attention(self, attn_stats: dict) -> None:
+        """A forward's per-layer counts (attention/counts.py) into the step's; a pipeline stage adds
+        those of its own layers (loop/pipeline_step.py)."""
         for layer, st in attn_stats.items():
             row_C = torch.stack([st[k].double() for k in ATTN_COUNTS])
             self._attn[layer] = self._attn.get(layer, 0) + row_C
@@ -270,15 +277,21 @@ class Objective:
             self._head_g[t] = self._head_g.get(t, 0) + g_VD / accum
 
     def end_backward(self) -> None:
-        """A log step's attention counts, summed over micro-batches and ranks -> self.attn_stats."""
-        layers = sorted(self._attn or {})
-        if not layers:
+        """A log step's attention counts, summed over micro-batches and ranks -> self.attn_stats.
+        An (L, counts) table on every rank, zero where a rank holds no such layer (a pipeline stage
+        counts only its own), so the all-reduce has one shape everywhere; the layers listed are
+        those that counted a token."""
+        if self._attn is None:  # not a log step (the same on every rank)
             return
-        total_LC = all_reduce(torch.stack([self._attn[i] for i in layers]), self.env).cpu()
-        sparse = self.raw_model.cfg.decoder.is_sparse
+        dec = self.raw_model.cfg.decoder
+        local_LC = torch.zeros(dec.n_layers, len(ATTN_COUNTS), dtype=torch.float64, device=self.device)
+        for i, row_C in self._attn.items():
+            local_LC[i] = row_C
+        total_LC = all_reduce(local_LC, self.env).cpu()
         self.attn_stats = {
-            i: {"sparse": sparse(i), "kept_frac": float(c[1] / max(float(c[2]), 1.0)),
-                "keys_per_token": float(c[0] / max(float(c[3]), 1.0))} for i, c in zip(layers, total_LC)}
+            i: {"sparse": dec.is_sparse(i), "kept_frac": float(c[1] / max(float(c[2]), 1.0)),
+                "keys_per_token": float(c[0] / max(float(c[3]), 1.0))}
+            for i, c in enumerate(total_LC) if c[3] > 0}
 
     def end_step(self, total: StepSums, *, grad_norm: float, skipped: bool, started: float) -> StepStats:
         """The step's stats from the all-reduced sums; the balancer observes the step unless skipped."""

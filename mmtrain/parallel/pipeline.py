@@ -56,6 +56,7 @@ from torch.distributed.pipelining.schedules import (
 
 from mmtrain.errors import UserError
 from mmtrain.models.attention import build_meta
+from mmtrain.models.attention.api import measure
 from mmtrain.models.attention.context import ContextShard
 from mmtrain.models.counting import _inactive_routed, _matmul_params, attention_keys, flops_per_token
 from mmtrain.models.decoder import local_visual, scatter_visual
@@ -212,6 +213,8 @@ class StageModel(nn.Module):
         self.layer_ids = list(layers)
         self.context: ContextShard | None = None  # dist.tp > 1: this rank's chunk of every row
         self.records: list[dict] = []  # per micro-batch forward: {layer: (load_3E, entropy_3)}
+        self.measure_attn = False  # a log step (set by loop/pipeline_step.py): count what attention visits
+        self.attn_records: list[dict] = []  # per micro-batch forward: {layer: attention/counts.py's counts}
 
     def moe_layers(self) -> dict[int, MoE]:
         return {i: self.decoder.layers[str(i)].ffn for i in self.layer_ids
@@ -241,17 +244,22 @@ class StageModel(nn.Module):
         else:
             h_BSD = x
         cos_B1SF, sin_B1SF = dec.rotary(pos_ids_3BS)
-        record = {}
+        record, attn = {}, {}
         for i in self.layer_ids:
             layer = dec.layers[str(i)]
-            h_BSD, aux, _ = layer(h_BSD, cos_B1SF, sin_B1SF, meta, dec.cfg.attention, modality_BS,
-                                  False, shard)
+            h_BSD, aux, qk = layer(h_BSD, cos_B1SF, sin_B1SF, meta, dec.cfg.attention, modality_BS,
+                                   self.measure_attn, shard)
+            if qk:  # eager, outside the (compiled) layer, as Decoder.forward does
+                attn[i] = {}
+                measure(qk["q"], qk["k"], meta, dec.cfg.attention, dec.cfg.is_sparse(i), None, attn[i])
             if aux:
                 aux_2 = aux_2 + torch.stack([aux[n].float() for n in AUX_NAMES])
                 record[i] = (aux["load_3E"].detach(), aux["router_entropy_3"].detach())
                 if self.training:
                     layer.ffn.accumulate_load(aux["load_3E"])
         self.records.append(record)
+        if attn:
+            self.attn_records.append(attn)
         if self.is_last:
             h_BSD = dec.norm(h_BSD)
         return h_BSD, aux_2

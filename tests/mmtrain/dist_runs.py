@@ -135,6 +135,8 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
                                          "traffic": trainer.traffic.sent,  # all steps (no fit)
                                          # dist.compile: the graphs Dynamo made on rank 0 (0 if eager)
                                          "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                                         # the last step's attention counts (log_every=1; {} under cp / tp)
+                                         "attn": {str(i): a for i, a in trainer.objective.attn_stats.items()},
                                          "parts": parts}))
     if env.distributed:
         shutdown()

@@ -322,12 +322,20 @@ def _check_trainer_parity(one: dict, pp: dict) -> None:
                 assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3)
     for a, b in zip(one["parts"], pp["parts"], strict=True):  # grad_norm/*, update_ratio/* per part
         assert a.keys() == b.keys() and all(_rel(a[k], b[k]) < 1e-4 for k in a), (a, b)
+    if pp["attn"]:  # whole rows (no cp / tp): every stage's layers counted, summed over the world
+        assert pp["attn"].keys() == one["attn"].keys(), (one["attn"], pp["attn"])
+        for i, a in one["attn"].items():
+            assert a["sparse"] == pp["attn"][i]["sparse"]
+            assert all(_rel(a[k], pp["attn"][i][k]) < 1e-9 for k in ("kept_frac", "keys_per_token")), (a, pp)
 
 
 def test_trainer_at_pp2_matches_one_process(raw_for, tmp_path):
     """`mmtrain train`'s step at PP(2) x 1F1B (2 ranks, gloo): the losses, gradient norms (global and
     per part), token counts and MoE expert biases of one process on the same rows, step by step."""
-    _check_trainer_parity(*_trainer_parity(raw_for, tmp_path, 2, ["dist.pp=2"]))
+    one, pp = _trainer_parity(raw_for, tmp_path, 2, ["dist.pp=2"])
+    _check_trainer_parity(one, pp)
+    # the attention counts of every layer reach the log from the stage holding it
+    assert len(pp["attn"]) == 2 and any(a["sparse"] and a["kept_frac"] < 1 for a in pp["attn"].values())
 
 
 def test_trainer_at_tp2_pp2_matches_one_process(raw_for, tmp_path):
