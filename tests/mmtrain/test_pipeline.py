@@ -334,8 +334,9 @@ def test_trainer_at_pp2_matches_one_process(raw_for, tmp_path):
     per part), token counts and MoE expert biases of one process on the same rows, step by step."""
     one, pp = _trainer_parity(raw_for, tmp_path, 2, ["dist.pp=2"])
     _check_trainer_parity(one, pp)
-    # the attention counts of every layer reach the log from the stage holding it
-    assert len(pp["attn"]) == 2 and any(a["sparse"] and a["kept_frac"] < 1 for a in pp["attn"].values())
+    # the attention counts of every layer reach the log from the stage holding it; the sparse layer
+    # really selects (kept 46% of the reachable blocks here)
+    assert len(pp["attn"]) == 2 and any(a["sparse"] and a["kept_frac"] <= 0.5 for a in pp["attn"].values())
 
 
 def test_trainer_at_tp2_pp2_matches_one_process(raw_for, tmp_path):
