@@ -173,12 +173,48 @@ def trainer_subpackages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return out
 
 
-def test_the_trainers_subpackages_import_one_way():
-    """loop -> evaluation -> inference -> state -> objectives -> parallel (each may skip layers)."""
+# docs/ARCHITECTURE.md's order of the trainer's subpackages, top first: a subpackage imports only
+# layers below its own (it may skip some); `hf/` is imported by `inference/` alone
+LAYERS = [("loop", "plan"), ("evaluation",), ("inference",), ("state",), ("objectives",), ("parallel",)]
+ONLY_FROM = {"hf": {"inference"}}
+
+
+def stated_order() -> str:
+    return " -> ".join(", ".join(layer) for layer in LAYERS)
+
+
+def order_violations(pkgs: dict[str, set[str]]) -> list[str]:
+    """Edges against LAYERS / ONLY_FROM, and subpackages placed in neither."""
+    level = {p: i for i, layer in enumerate(LAYERS) for p in layer}
+    bad = [f"{p}: not in the stated order (tests/test_imports.py LAYERS, docs/ARCHITECTURE.md)"
+           for p in pkgs if p not in level and p not in ONLY_FROM]
+    for a, deps in pkgs.items():
+        for b in deps:
+            if b in ONLY_FROM:
+                ok = a in ONLY_FROM[b]
+            else:
+                ok = a in level and b in level and level[a] < level[b]
+            bad += [] if ok else [f"{a} -> {b}"]
+    return sorted(bad)
+
+
+def test_the_trainers_subpackages_import_in_the_stated_order():
+    """loop, plan -> evaluation -> inference -> state -> objectives -> parallel (each may skip
+    layers), as docs/ARCHITECTURE.md states it; every subpackage is placed."""
     pkgs = trainer_subpackages(import_graph())
-    assert {"loop", "objectives", "evaluation", "state", "inference", "parallel"} <= set(pkgs)
-    found = cycles(pkgs)
-    assert not found, "subpackage cycles: " + "; ".join(" <-> ".join(c) for c in found)
+    assert {"loop", "plan", "objectives", "evaluation", "state", "inference", "parallel", "hf"} <= set(pkgs)
+    bad = order_violations(pkgs)
+    assert not bad, "imports against the stated order: " + ", ".join(bad)
+    doc = " ".join((ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8").split())
+    assert f"`{stated_order()}`" in doc, f"docs/ARCHITECTURE.md does not state `{stated_order()}`"
+
+
+def test_the_order_check_sees_an_upward_edge_and_an_unplaced_subpackage():
+    assert order_violations({"loop": {"parallel"}, "inference": {"hf"}}) == []
+    assert order_violations({"parallel": {"loop"}}) == ["parallel -> loop"]
+    assert order_violations({"loop": {"plan"}}) == ["loop -> plan"]  # one layer: neither imports the other
+    assert order_violations({"state": {"hf"}}) == ["state -> hf"]
+    assert order_violations({"new": set()})[0].startswith("new: not in the stated order")
 
 
 def test_models_and_data_pipelines_import_only_themselves():

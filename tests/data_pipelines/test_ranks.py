@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve()
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 COLLECTIVE_TIMEOUT_S = 60
 
 

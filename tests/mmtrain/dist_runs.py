@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+import warm_launch
 import yaml
 
 HERE = Path(__file__).resolve()
@@ -38,26 +39,47 @@ def write_config(make_raw, run_dir: Path, overrides=()) -> Path:
 
 def launch(args: list[str], nproc: int = 1, max_restarts: int = 0, timeout: float = 240,
            check: bool = True) -> subprocess.CompletedProcess:
-    """`python ARGS` or `torchrun --standalone --nproc-per-node N ARGS`, one thread per process."""
+    """`python ARGS` or `torchrun --standalone --nproc-per-node N ARGS`, one thread per process.
+
+    The ranks are forked from a warm parent (warm_launch.py: torchrun's environment, real processes)
+    unless the test is about torchrun itself (restarts, `--no-python`) or MMTRAIN_COLD_LAUNCH=1."""
+    if nproc > 1 and os.environ.get("MMTRAIN_TEST_DISTRIBUTED") == "0":  # tests/conftest.py sets it
+        raise AssertionError("a case that starts several ranks is marked @pytest.mark.distributed")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    env.pop("MMTRAIN_TEST_DISTRIBUTED", None)
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                 f"--max-restarts={max_restarts}", "--monitor-interval=0.2"]
+    warm = max_restarts == 0 and args[0] != "--no-python" and os.environ.get("MMTRAIN_COLD_LAUNCH") != "1" \
+        and warm_launch.can_fork(env)
+    run = _warm if warm else _cold
+    proc = run(cmd + args, args, nproc, env, timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd + args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def _warm(cmd, args, nproc, env, timeout) -> subprocess.CompletedProcess:
+    try:
+        code, out, err = warm_launch.run(args, nproc, env, REPO, timeout)
+    except TimeoutError as e:
+        raise AssertionError(f"{' '.join(cmd)} timed out:\n{e}") from None
+    return subprocess.CompletedProcess(cmd, code, out, err)
+
+
+def _cold(cmd, args, nproc, env, timeout) -> subprocess.CompletedProcess:
     # its own session: on a timeout the whole tree goes (torchrun alone would orphan its workers)
-    with subprocess.Popen(cmd + args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True) as p:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             out, err = p.communicate()
-            raise AssertionError(f"{' '.join(cmd + args)} timed out:\n{err[-4000:]}") from None
-    proc = subprocess.CompletedProcess(p.args, p.returncode, out, err)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd + args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-    return proc
+            raise AssertionError(f"{' '.join(cmd)} timed out:\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def train(config: Path, nproc: int = 1, *overrides: str, **kw) -> subprocess.CompletedProcess:

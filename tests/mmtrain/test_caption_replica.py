@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from .dist_runs import launch, write_config
 
 WORKER = Path(__file__).with_name("caption_worker.py")
@@ -13,6 +15,7 @@ CAPTIONS = ["captions.images=2", "captions.videos=1", "captions.examples=3", "ca
             "dist.timeout_s=60", "train.threads=1"]
 
 
+@pytest.mark.distributed
 def test_sharded_caption_eval_gathers_one_replica_and_matches_one_process(make_raw, tmp_path):
     one = write_config(make_raw, tmp_path / "one", CAPTIONS)
     launch([str(WORKER), str(one), str(tmp_path / "one")])

@@ -10,7 +10,6 @@ and hooks included) keeps the runs in seconds; Inductor's code generation is not
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from dist_runs import HERE as WORKER
@@ -20,7 +19,7 @@ pytestmark = pytest.mark.distributed
 COMPILED = ["dist.compile=true", "dist.compile_backend=aot_eager"]
 
 
-SLOW = pytest.mark.skipif(not os.environ.get("MMTRAIN_SLOW_TESTS"), reason="set MMTRAIN_SLOW_TESTS=1")
+SLOW = pytest.mark.slow  # make test-slow
 
 
 # CI runs fsdp-ep2 (FSDP2's hooks around compiled blocks and the experts' all-to-alls inside them);

@@ -9,7 +9,6 @@ dist_runs.py, which is also the parity worker.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
@@ -27,7 +26,7 @@ from dist_runs import (
 )
 
 pytestmark = pytest.mark.distributed
-SLOW = pytest.mark.skipif(not os.environ.get("MMTRAIN_SLOW_TESTS"), reason="set MMTRAIN_SLOW_TESTS=1")
+SLOW = pytest.mark.slow  # make test-slow
 
 
 

@@ -11,16 +11,14 @@ each rank names the one it waited in and where it was called from.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 from dist_runs import launch, write_config
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).resolve().parent / "hang_worker.py"
-SLOW = pytest.mark.skipif(not os.environ.get("MMTRAIN_SLOW_TESTS"),
-                          reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
+SLOW = pytest.mark.slow  # make test-slow
 TP_HEADS = ["model.decoder.n_kv_heads=2"]  # a tp rank holds whole KV groups
 ALL_TERMS = ["loss.contrast.weight=1", "loss.token_weighting.strength=0.5"]  # not under cp (config check)
 BASE = ["dist.timeout_s=15", "model.visual_head=true", "loss.visual_next.weight=1",

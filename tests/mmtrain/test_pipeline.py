@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import os
 
 import pytest
 import torch
@@ -36,7 +35,6 @@ from mmtrain.parallel.pipeline import (
     stage_ids,
 )
 
-SLOW = os.environ.get("MMTRAIN_SLOW_TESTS") == "1"
 WORKER = "tests/mmtrain/pipeline_worker.py"
 
 
@@ -216,11 +214,12 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
-CASES = [("1F1B", 2, 4, False)] + ([("Interleaved1F1B", 2, 4, False), ("ZBVZeroBubble", 2, 4, False),
-                                    ("DualPipeV", 2, 4, False), ("Interleaved1F1B", 4, 8, False),
-                                    ("Interleaved1F1B", 2, 4, True)] if SLOW else [])
+CASES = [("1F1B", 2, 4, False), *(pytest.param(*c, marks=pytest.mark.slow) for c in [
+    ("Interleaved1F1B", 2, 4, False), ("ZBVZeroBubble", 2, 4, False), ("DualPipeV", 2, 4, False),
+    ("Interleaved1F1B", 4, 8, False), ("Interleaved1F1B", 2, 4, True)])]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule,pp,layers,ac", CASES)
 def test_pipeline_matches_one_process(corpus, tmp_path, schedule, pp, layers, ac):
     """`ac`: activation checkpointing on both sides (the pipeline's applied per stage after the split)."""
@@ -329,6 +328,7 @@ def _check_trainer_parity(one: dict, pp: dict) -> None:
             assert all(_rel(a[k], pp["attn"][i][k]) < 1e-9 for k in ("kept_frac", "keys_per_token")), (a, pp)
 
 
+@pytest.mark.distributed
 def test_trainer_at_pp2_matches_one_process(raw_for, tmp_path):
     """`mmtrain train`'s step at PP(2) x 1F1B (2 ranks, gloo): the losses, gradient norms (global and
     per part), token counts and MoE expert biases of one process on the same rows, step by step."""
@@ -339,6 +339,7 @@ def test_trainer_at_pp2_matches_one_process(raw_for, tmp_path):
     assert len(pp["attn"]) == 2 and any(a["sparse"] and a["kept_frac"] <= 0.5 for a in pp["attn"].values())
 
 
+@pytest.mark.distributed
 def test_trainer_at_tp2_pp2_matches_one_process(raw_for, tmp_path):
     """TP(2) x PP(2) (4 ranks): each tp rank of a stage holds its sequence-parallel chunk of every row
     and hands it to the same tp rank of the next stage (Megatron's way); the same losses, gradient
@@ -368,11 +369,12 @@ def _saved_and_loaded(make_raw, tmp_path, save_nproc: int, saved_at: list[str], 
     return runs
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("loaded", [
     pytest.param({"one": (1, ["dist.pp=1"]), "pp2": (2, [])}, id="pp2-to-one",  # CI: the killed run's
-                 marks=pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")),
+                 marks=pytest.mark.slow),
     pytest.param({"one": (1, ["dist.pp=1"]), "fsdp2": (2, ["dist.pp=1"])}, id="pp2-to-fsdp2",
-                 marks=pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1"))])
+                 marks=pytest.mark.slow)])
 def test_state_saved_at_pp2_is_the_state_loaded_in_one_process_and_at_fsdp2(make_raw, tmp_path, loaded):
     """DCP reshards the stages' state (full-model names on each stage's rank) to any mesh: the model
     and optimizer state loaded at PP(2) itself, at FSDP(2) and in one process are one state."""
@@ -384,7 +386,8 @@ def test_state_saved_at_pp2_is_the_state_loaded_in_one_process_and_at_fsdp2(make
         _assert_same_state(runs[name], runs["one"], f"pp2->{name}")
 
 
-@pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_state_saved_at_fsdp2_is_the_state_loaded_at_pp2(make_raw, tmp_path):
     from test_tensor_parallel import _assert_same_state
 
@@ -393,10 +396,11 @@ def test_state_saved_at_fsdp2_is_the_state_loaded_at_pp2(make_raw, tmp_path):
     _assert_same_state(runs["pp2"], runs["one"], "fsdp2->pp2")
 
 
-_BEYOND_CI = pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
+_BEYOND_CI = pytest.mark.slow
 COMPILED = ["dist.compile=true", "dist.compile_backend=aot_eager"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("first, then, extra", [
     pytest.param((2, "dist.pp=2"), (1, "dist.pp=1"), [], id="pp2-to-one"),
     pytest.param((1, "dist.pp=1"), (2, "dist.pp=2"), [], id="one-to-pp2", marks=_BEYOND_CI),
@@ -422,11 +426,12 @@ def test_killed_at_pp2_resumed_in_one_process_continues_the_run(make_raw, tmp_pa
     assert all(_rel(ends[0][t], ends[1][t]) < 1e-5 for t in ends[0]), ends
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sets, nproc, mesh", [
     pytest.param(["dist.pp=2"], 2, "dp_shard=1 cp=1 ep=1 pp=2 (world 2)", id="pp2"),
     pytest.param(["dist.pp=2", "dist.tp=2", "model.decoder.n_kv_heads=2"], 4,
                  "dp_shard=1 cp=1 ep=1 tp=2 pp=2 (world 4)", id="tp2-pp2",
-                 marks=pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1"))])
+                 marks=pytest.mark.slow)])
 def test_mmtrain_under_torchrun_with_pp2_runs_evaluation_diagnostics_and_captions(make_raw, tmp_path, sets,
                                                                                    nproc, mesh):
     """As a user runs it: torchrun starting the `mmtrain` console script, `--set dist.pp=2` (and
@@ -488,7 +493,8 @@ MESHES = {  # (ranks, overrides): the trainer at other pipeline meshes (MMTRAIN_
 LAYERS = {"pp4-interleaved": 8}  # a rank's two stages x 4 ranks
 
 
-@pytest.mark.skipif(not SLOW, reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_trainer_at_pipeline_meshes_matches_one_process(raw_for, tmp_path, mesh):
     nproc, overrides = MESHES[mesh]

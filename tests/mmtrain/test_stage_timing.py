@@ -9,7 +9,6 @@ test that runs the default timer on a tiny model.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +16,6 @@ from types import SimpleNamespace
 import pytest
 
 HERE = Path(__file__).resolve()
-SLOW = os.environ.get("MMTRAIN_SLOW_TESTS") == "1"
 SHAPES = SimpleNamespace(data=SimpleNamespace(batch_size=2, seq_len=96))
 
 
@@ -79,7 +77,8 @@ def test_the_default_timer_runs_every_part_and_leaves_the_run_as_it_was():
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.skipif(not SLOW, reason="beyond CI's time (a torchrun of 2 ranks): MMTRAIN_SLOW_TESTS=1")
+@pytest.mark.slow  # a 2-rank run
+@pytest.mark.distributed
 def test_ranks_whose_times_differ_cut_the_same_way(tmp_path):
     """Two gloo ranks: rank 1 times the encoder 8x slower than rank 0 (alone they would cut
     differently); after the MAX every rank has the same costs and the same split."""

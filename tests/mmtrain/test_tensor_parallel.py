@@ -9,7 +9,6 @@ is a one-line error naming the key.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,8 +17,7 @@ from dist_runs import HERE as WORKER
 from dist_runs import launch, train, write_config
 
 pytestmark = pytest.mark.distributed
-SLOW = pytest.mark.skipif(not os.environ.get("MMTRAIN_SLOW_TESTS"),
-                          reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
+SLOW = pytest.mark.slow  # make test-slow
 STEPS = 5
 HEADS = {2: ["model.decoder.n_kv_heads=2"],  # a tp rank holds whole KV groups
          4: ["model.decoder.n_heads=4", "model.decoder.n_kv_heads=4",

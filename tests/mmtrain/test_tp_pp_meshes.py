@@ -7,14 +7,11 @@ MMTRAIN_SLOW_TESTS=1.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from test_pipeline import _check_trainer_parity, _trainer_parity
 
 pytestmark = pytest.mark.distributed
-SLOW = pytest.mark.skipif(os.environ.get("MMTRAIN_SLOW_TESTS") != "1",
-                          reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
+SLOW = pytest.mark.slow  # make test-slow
 TP2_PP2 = ["dist.tp=2", "dist.pp=2", "model.decoder.n_kv_heads=2"]
 MESHES = {  # (ranks, overrides); the non-dist ones apply to both sides
     # the recompute reissues the tp collectives inside each stage's backward, micro-batch by micro-batch

@@ -13,15 +13,12 @@ process kill/resume runs in CI; the rest with MMTRAIN_SLOW_TESTS=1.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from test_pipeline import _saved_and_loaded
 from test_tensor_parallel import _assert_same_state
 
 pytestmark = pytest.mark.distributed
-SLOW = pytest.mark.skipif(os.environ.get("MMTRAIN_SLOW_TESTS") != "1",
-                          reason="beyond CI's time: MMTRAIN_SLOW_TESTS=1")
+SLOW = pytest.mark.slow  # make test-slow
 HEADS = ["model.decoder.n_kv_heads=2"]  # a tp rank holds whole KV groups
 TP2_PP2 = ["dist.tp=2", "dist.pp=2"]
 FSDP = ["dist.tp=1", "dist.pp=1"]  # dp_shard: the rest of the world

@@ -6,7 +6,6 @@ step 5's second row holds no medium (test_vision_plan.py covers empty ranks exha
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from dist_runs import HERE as WORKER
@@ -26,7 +25,7 @@ MESHES = {  # (ranks, rows, overrides); the reference: one process, the same row
     # media cross cp groups (each sent once, from the group rank i % cp), tokens to both of its ranks
     "fsdp2-cp2-ep2-dp_cp": (4, 2, ["dist.cp=2", "dist.ep=2", "vision.balance=dp_cp"]),
 }
-SLOW = pytest.mark.skipif(not os.environ.get("MMTRAIN_SLOW_TESTS"), reason="beyond CI's time (~15-60 s each)")
+SLOW = pytest.mark.slow  # beyond CI's time (~15-60 s each)
 MORE_MESHES = {  # MMTRAIN_SLOW_TESTS=1
     "fsdp4-dp": (4, 4, ["vision.balance=dp"]),
     "hsdp2x2-dp": (4, 4, ["dist.dp_replicate=2", "vision.balance=dp"]),

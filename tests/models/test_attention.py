@@ -10,7 +10,6 @@ G selection heads, R query rows, Bs block size.
 
 from __future__ import annotations
 
-import os
 import random
 import warnings
 
@@ -192,8 +191,7 @@ def test_flex_forward_cpu_eager(seed, sparse):
     assert rel_err(got, attend(q, k, v, meta, cfg, sparse)) < 1e-5, f"seed={seed}"
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("MMTRAIN_SLOW_TESTS"), reason="compiles flex on CPU (~25 s)")
+@pytest.mark.slow  # compiles flex on CPU (~25 s)
 def test_flex_forward_cpu_compiled(seed):
     Bs, S = 16, 96
     meta = build_meta(*random_batch(1, S, Bs), Bs)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from pathlib import Path
 
@@ -82,7 +81,8 @@ def test_measured_step_overrides_load(sets, tmp_path):
                     bench_vision_ranks.train_sets(args, balance, tmp_path / balance))
 
 
-@pytest.mark.skipif(not os.environ.get("MMTRAIN_SLOW_TESTS"), reason="two 2-rank trainings (~1 min)")
+@pytest.mark.slow  # two 2-rank trainings (~1 min)
+@pytest.mark.distributed
 def test_measured_quick_step(sets, capsys):
     bench_vision_ranks.main([*_argv(sets), "--quick", "--timeout", "400", "--part", "step", "--ranks", "2",
                              "--steps", "1"])

@@ -12,16 +12,13 @@ MMTRAIN_SLOW_TESTS=1 -- run them after changing the plan or a shipped config (`m
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tools import plan_tables
 from tools.plan_tables import BEGIN, END, REPO, ROWS, SMALL_ROWS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # ten rows: ~4-5 min, more on busy cores
-SLOW = pytest.mark.skipif(not os.environ.get("MMTRAIN_SLOW_TESTS"),
-                          reason="every plan row: set MMTRAIN_SLOW_TESTS=1 (make test-slow)")
+pytestmark = pytest.mark.timeout(1800)  # ten rows: ~4-5 min, more on busy cores
+SLOW = pytest.mark.slow  # every plan row: make test-slow
 CI_ROWS = [ROWS[-1], *SMALL_ROWS]
 NO_FIT = {  # rows that show why a setting is what it is, and must not fit
     ("dist.dp_replicate=8", "dist.activation_checkpointing=false"),  # why checkpointing is on

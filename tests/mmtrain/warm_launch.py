@@ -1,0 +1,173 @@
+"""Rank processes forked from a warm parent: torchrun's environment without torchrun's start-up.
+
+`python -m torch.distributed.run --nproc-per-node N` costs an agent interpreter and N rank
+interpreters, each importing torch and mmtrain from cold (~2 CPU-s each, docs/CONVENTIONS.md).
+Here a forkserver, started once per pytest process, imports them once (one thread, no torch op
+run, so nothing but the interpreter is forked mid-use). Each rank is forked from it and
+
+- is its own OS process in its own session (as torchrun's workers are), with its own gloo
+  connections: SIGKILL kills it for real and its exit code is -9;
+- gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT,
+  TORCHELASTIC_RESTART_COUNT, ...; rank 0 hosts the rendezvous store, as with no agent store);
+- runs `-m module` or a script as `__main__` with `sys.argv`, `sys.path[0]`, the working
+  directory and the environment the command line would give it, and its atexit handlers at exit.
+
+The group behaves as torchrun's does without restarts: when a rank fails the others get SIGTERM
+(then SIGKILL), the exit code is 1 if any rank failed (one process: its own code), and stdout and
+stderr are every rank's, in rank order. Real torchrun stays where a test is about torchrun itself:
+restarts (`--max-restarts`), the console script (`--no-python`), accelerate.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing as mp
+import os
+import runpy
+import signal
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from functools import cache
+from multiprocessing.connection import wait
+from pathlib import Path
+
+# imported by the warm parent before it forks: what a rank of the trainer or a test worker loads
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint",
+           "torch.distributed.pipelining", "torch._dynamo", "yaml", "mmtrain.train", "mmtrain.loop.trainer",
+           "mmtrain.cli", "warm_launch"]
+# read when a library loads (OpenMP's pool size), so the parent must already have them
+IMPORT_TIME_ENV = {"OMP_NUM_THREADS": "1"}
+GRACE_S = 5.0  # SIGTERM to SIGKILL for the ranks left when one fails (torchrun waits 30 s)
+
+
+@cache
+def _context() -> mp.context.ForkServerContext:
+    """The forkserver, started on first use with the import-time environment it must have."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    saved = {k: os.environ.get(k) for k in IMPORT_TIME_ENV}
+    os.environ.update(IMPORT_TIME_ENV)
+    try:
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ctx
+
+
+def can_fork(env: dict) -> bool:
+    """Whether a forked rank sees what an exec'd one would: the import-time variables agree."""
+    return all(env.get(k) == v for k, v in IMPORT_TIME_ENV.items())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(env: dict, rank: int, nproc: int, port: int) -> dict:
+    """torchrun's variables for `rank` of a one-node job with no restarts and no agent store."""
+    if nproc == 1:
+        return dict(env)
+    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "warm", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
+def _rank_main(args: list[str], env: dict, cwd: str, out: str, err: str) -> None:
+    """In the forked rank: become `python ARGS` (ARGS: `-m MODULE ...` or `SCRIPT ...`)."""
+    os.setsid()  # its own session, as torchrun's workers: a kill of the group takes its children too
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout.reconfigure(write_through=True)  # PYTHONUNBUFFERED: a killed rank's last lines are kept
+    sys.stderr.reconfigure(write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the forkserver ignores SIGINT
+    # the parent preloaded the module `-m` runs as __main__, which runpy warns of; a cold start would not
+    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
+                            category=RuntimeWarning)
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            sys.path.insert(0, cwd)
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            script = str(Path(cwd, args[0]).resolve())
+            sys.argv = [args[0], *args[1:]]
+            sys.path.insert(0, str(Path(script).parent))
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # the forkserver's child ends in os._exit, which skips them
+
+
+def _kill_session(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _stop(procs: list, grace: float) -> None:
+    """SIGTERM to every live rank's session, SIGKILL to what is left after `grace` seconds."""
+    procs = [p for p in procs if p.pid is not None]  # started
+    live = [p for p in procs if p.exitcode is None]
+    for p in live:
+        _kill_session(p.pid, signal.SIGTERM)
+    if live:  # (wait() on no object sleeps the whole timeout)
+        wait([p.sentinel for p in live], timeout=grace)
+    for p in procs:  # the sessions too: a rank's own children (loader workers) go with it
+        _kill_session(p.pid, signal.SIGKILL)
+        p.join()
+
+
+def run(args: list[str], nproc: int, env: dict, cwd: Path, timeout: float):
+    """`python ARGS` (nproc 1) or a torchrun-like group of `nproc` forked ranks.
+    Returns (exit code, stdout, stderr), or raises TimeoutError with the stderr so far."""
+    ctx, port = _context(), free_port()
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        logs = [(f"{tmp}/out{r}", f"{tmp}/err{r}") for r in range(nproc)]
+        procs = [ctx.Process(target=_rank_main, daemon=False, name=f"rank{r}",
+                             args=(args, rank_env(env, r, nproc, port), str(cwd), *logs[r]))
+                 for r in range(nproc)]
+        first_failure = None
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout
+            while any(p.exitcode is None for p in procs) and first_failure is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    _stop(procs, 0.0)
+                    raise TimeoutError(_read(logs, 1)[-4000:])
+                wait([p.sentinel for p in procs if p.exitcode is None], timeout=left)
+                first_failure = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
+        finally:
+            _stop(procs, GRACE_S)
+        out, err = _read(logs, 0), _read(logs, 1)
+    if nproc == 1:
+        return procs[0].exitcode, out, err
+    if first_failure is None:
+        return 0, out, err
+    code = procs[first_failure].exitcode
+    root = (f"warm_launch: root cause (first observed failure): rank {first_failure} "
+            f"(local_rank {first_failure}) exitcode {code} (pid {procs[first_failure].pid})\n")
+    return 1, out, err + root
+
+
+def _read(logs: list, which: int) -> str:
+    return "".join(Path(log[which]).read_text(errors="replace") if Path(log[which]).exists() else ""
+                   for log in logs)
