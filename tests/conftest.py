@@ -10,15 +10,24 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:  # warm_launch.py, under --import-mode=importlib
+    sys.path.insert(0, str(TESTS))
 
 SLOW = os.environ.get("MMTRAIN_SLOW_TESTS") == "1"
 # seconds, on the 2-core CI machine: ~3x what the slowest of each kind measured there (the machines
 # differ ~2x); a case that needs more says so with its own budget mark
 BUDGET_S = {"plain": 20.0, "distributed": 60.0}
 _SPENT = pytest.StashKey[dict]()
+_REFS = pytest.StashKey[Path]()
 
 
 def pytest_configure(config):
@@ -35,11 +44,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _reference_cache(request, tmp_path_factory):
+    """dist_runs.parity_reference / reference_run share identical one-process (and reference) runs
+    across the session through this folder; its log.jsonl counts the runs and the copies."""
+    root = tmp_path_factory.mktemp("references")
+    os.environ["MMTRAIN_REFERENCE_CACHE"] = str(root)
+    request.config.stash[_REFS] = root
+    yield root
+    os.environ.pop("MMTRAIN_REFERENCE_CACHE", None)
+
+
 @pytest.fixture(autouse=True)
 def _distributed_flag(request, monkeypatch):
     """dist_runs.launch reads it: several ranks only from a case marked `distributed`."""
     marked = request.node.get_closest_marker("distributed") is not None
     monkeypatch.setenv("MMTRAIN_TEST_DISTRIBUTED", "1" if marked else "0")
+
+
+@pytest.fixture
+def warm_subprocess(monkeypatch):
+    """subprocess.run forks Python and torchrun commands from the warm parent (warm_launch.py) for
+    this test: a tool that launches `python -m ...` runs as it would, without the interpreter starts."""
+    import warm_launch
+
+    monkeypatch.setattr(subprocess, "run", warm_launch.subprocess_run)
 
 
 def budget_of(item) -> float | None:
@@ -68,6 +97,11 @@ def over_budget(config) -> list[tuple[str, float, float]]:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    log = config.stash.get(_REFS, TESTS) / "log.jsonl"
+    if log.is_file():
+        hits = [json.loads(line)["hit"] for line in log.read_text().splitlines()]
+        terminalreporter.write_line(f"reference runs: {hits.count(False)} run, {hits.count(True)} shared "
+                                    "(tests/mmtrain/dist_runs.py reference_key)")
     late = over_budget(config)
     if late:
         terminalreporter.section("over the time budget (docs/CONVENTIONS.md)", red=True)

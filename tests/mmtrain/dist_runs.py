@@ -7,15 +7,16 @@ writes the full model and optimizer state.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
-import warm_launch
 import yaml
 
 HERE = Path(__file__).resolve()
@@ -52,6 +53,8 @@ def launch(args: list[str], nproc: int = 1, max_restarts: int = 0, timeout: floa
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                 f"--max-restarts={max_restarts}", "--monitor-interval=0.2"]
+    import warm_launch  # tests/ (on sys.path from tests/conftest.py; a cold worker never needs it)
+
     warm = max_restarts == 0 and args[0] != "--no-python" and os.environ.get("MMTRAIN_COLD_LAUNCH") != "1" \
         and warm_launch.can_fork(env)
     run = _warm if warm else _cold
@@ -62,6 +65,8 @@ def launch(args: list[str], nproc: int = 1, max_restarts: int = 0, timeout: floa
 
 
 def _warm(cmd, args, nproc, env, timeout) -> subprocess.CompletedProcess:
+    import warm_launch
+
     try:
         code, out, err = warm_launch.run(args, nproc, env, REPO, timeout)
     except TimeoutError as e:
@@ -85,6 +90,65 @@ def _cold(cmd, args, nproc, env, timeout) -> subprocess.CompletedProcess:
 def train(config: Path, nproc: int = 1, *overrides: str, **kw) -> subprocess.CompletedProcess:
     sets = [a for o in overrides for a in ("--set", o)]
     return launch(["-m", "mmtrain.train", str(config), "--quiet", *sets], nproc, **kw)
+
+
+# the mesh keys one process ignores (ParallelDims at world 1, no pipeline): a one-process run of a
+# config is the same run whatever they say. AC, compile and the strategy (token weighting reads it) count.
+MESH_ONLY = {"dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "pp_schedule", "pp_vision_stage", "pp_split",
+             "backend", "timeout_s", "reshard_after_forward", "meta_init"}
+
+
+def reference_key(config: Path, kind: str, nproc: int = 1) -> str:
+    """What makes two reference runs the same run: the config without its run_dir (and, in one
+    process, without the mesh keys), the kind of run (its steps) and the ranks."""
+    raw = yaml.safe_load(config.read_text())
+    raw.pop("run_dir", None)
+    if nproc == 1:
+        raw["dist"] = {k: v for k, v in raw.get("dist", {}).items() if k not in MESH_ONLY}
+    text = json.dumps([raw, kind, nproc], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cache(config: Path, kind: str, nproc: int) -> Path | None:
+    """This session's entry for the run (tests/conftest.py sets MMTRAIN_REFERENCE_CACHE); None: no cache."""
+    root = os.environ.get("MMTRAIN_REFERENCE_CACHE")
+    return Path(root) / f"{kind}-{nproc}-{reference_key(config, kind, nproc)}" if root else None
+
+
+def _note(entry: Path, hit: bool) -> None:
+    with open(entry.parent / "log.jsonl", "a") as f:
+        f.write(json.dumps({"entry": entry.name, "hit": hit}) + "\n")
+
+
+def parity_reference(config: Path, out: Path, steps: int = 10) -> dict:
+    """The parity worker's one-process run of `config` (written to `out`, and returned): run once a
+    session per distinct run (reference_key), copied to every later test that asks for it."""
+    entry = _cache(config, f"parity{steps}", 1)
+    if entry is not None and entry.exists():
+        shutil.copyfile(entry, out)
+        _note(entry, True)
+    else:
+        launch([str(HERE), "parity", str(config), str(out), str(steps)])
+        if entry is not None:
+            shutil.copyfile(out, entry)
+            _note(entry, False)
+    return json.loads(out.read_text())
+
+
+def reference_run(config: Path, nproc: int = 1) -> Path:
+    """An uninterrupted `train(config, nproc)` into the config's run_dir, run once a session per
+    distinct run and copied (metrics, logs, summary, checkpoints) for every later test asking for it."""
+    run_dir = Path(yaml.safe_load(config.read_text())["run_dir"])
+    entry = _cache(config, f"train{STEPS}", nproc)
+    if entry is not None and entry.exists():
+        shutil.copytree(entry, run_dir, symlinks=True, dirs_exist_ok=True)
+        _note(entry, True)
+    else:
+        train(config, nproc)
+        if entry is not None:
+            shutil.copytree(run_dir, entry, symlinks=True)
+            _note(entry, False)
+    return run_dir
 
 
 def step_records(run_dir: Path) -> dict[int, dict]:

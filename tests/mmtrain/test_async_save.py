@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_runs import checkpoint_names, losses, step_records, train, write_config
+from dist_runs import checkpoint_names, losses, reference_run, step_records, train, write_config
 
 from mmtrain.callbacks import Callback
 from mmtrain.loop.trainer import Trainer
@@ -110,7 +110,7 @@ def acknowledged(run: Path, log: str = "train.log") -> list[Path]:
 
 def test_a_kill_in_the_background_write_loses_nothing_acknowledged(make_raw, tmp_path):
     ref = tmp_path / "ref"
-    train(write_config(make_raw, ref))  # synchronous, uninterrupted
+    reference_run(write_config(make_raw, ref))  # synchronous, uninterrupted
     run = tmp_path / "run"
     config = write_config(make_raw, run, ["train.async_save=true"])
     assert train(config, 1, "train.faults.kill_in_save_at_step=6", check=False).returncode == -9
@@ -130,7 +130,7 @@ def test_two_ranks_killed_in_the_background_write_resume_exactly(make_raw, tmp_p
     """Rank 1 dies in its writer thread halfway through the step-6 save while rank 0 trains on;
     torchrun restarts the job, which resumes from step_4 with the uninterrupted run's losses."""
     ref = tmp_path / "ref"
-    train(write_config(make_raw, ref), 2)
+    reference_run(write_config(make_raw, ref), 2)
     run = tmp_path / "run"
     config = write_config(make_raw, run, ["train.async_save=true", "train.faults.rank=1"])
     train(config, 2, "train.faults.kill_in_save_at_step=6", max_restarts=1)

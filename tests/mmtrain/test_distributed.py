@@ -20,6 +20,8 @@ from dist_runs import (
     checkpoint_names,
     launch,
     losses,
+    parity_reference,
+    reference_run,
     step_records,
     train,
     write_config,
@@ -44,7 +46,7 @@ SLOW = pytest.mark.slow  # make test-slow
 def test_two_ranks_match_one_process_on_the_same_global_batch(make_raw, tmp_path, variant):
     """FSDP2 (or DDP) over 2 ranks holding half the rows each = one process holding all of them."""
     config = write_config(make_raw, tmp_path / "run", ["data.batch_size=4", *variant])
-    launch([str(WORKER), "parity", str(config), str(tmp_path / "one.json")])
+    parity_reference(config, tmp_path / "one.json")
     launch([str(WORKER), "parity", str(config), str(tmp_path / "two.json")], nproc=2)
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert one["tokens"] == two["tokens"]
@@ -73,7 +75,7 @@ def one_process_four_rows(raw_for, tmp_path_factory):
     for accum in (1, 2):
         overrides = ["data.batch_size=4", f"train.grad_accum={accum}"]
         config = write_config(raw_for, out / f"run{accum}", overrides)
-        launch([str(WORKER), "parity", str(config), str(out / f"one{accum}.json"), "6"])
+        parity_reference(config, out / f"one{accum}.json", 6)
         results[accum] = json.loads((out / f"one{accum}.json").read_text())
     return results
 
@@ -117,7 +119,7 @@ def test_context_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
     nproc, rows, overrides = CONTEXT_MESHES[mesh]
     base = [f"data.batch_size={rows}", *CP, *(o for o in overrides if not o.startswith("dist."))]
     one_cfg = write_config(raw_for, tmp_path / "one", base)
-    launch([str(WORKER), "parity", str(one_cfg), str(tmp_path / "one.json"), "4"])
+    parity_reference(one_cfg, tmp_path / "one.json", 4)
     config = write_config(raw_for, tmp_path / "run", [*base, *overrides])
     launch([str(WORKER), "parity", str(config), str(tmp_path / "cp.json"), "4"], nproc=nproc)
     one, cp = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "cp"))
@@ -158,7 +160,7 @@ def test_two_ranks_run_diagnostics_reliance_guard_and_visual_ssl(make_raw, tmp_p
 # ----- kill and resume ---------------------------------------------------------------------------
 def test_kill_and_resume_one_process_is_exact(make_raw, tmp_path):
     ref = tmp_path / "ref"
-    train(write_config(make_raw, ref))
+    reference_run(write_config(make_raw, ref))
     run = tmp_path / "run"
     config = write_config(make_raw, run)
     # killed between checkpoints (after step 5; step_2 and step_4 exist)

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from dist_runs import HERE as WORKER
-from dist_runs import launch, step_records, write_config
+from dist_runs import launch, parity_reference, step_records, write_config
 
 from mmtrain.loop import grad_parts
 from mmtrain.loop.logger import RunLogger
@@ -71,7 +71,7 @@ def test_fsdp_and_expert_parallel_log_what_one_process_does(make_raw, tmp_path):
     """2 ranks (FSDP2, ep=2: dense and expert meshes) on the rows one process reads in full."""
     overrides = ["data.batch_size=4", "dist.strategy=fsdp", "dist.ep=2"]
     config = write_config(make_raw, tmp_path / "run", overrides)
-    launch([str(WORKER), "parity", str(config), str(tmp_path / "one.json"), "3"])
+    parity_reference(config, tmp_path / "one.json", 3)
     launch([str(WORKER), "parity", str(config), str(tmp_path / "two.json"), "3"], nproc=2)
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     for a, b, norm in zip(one["parts"], two["parts"], two["grad_norm"]):

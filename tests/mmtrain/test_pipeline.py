@@ -296,13 +296,16 @@ TRAINER_STEPS = 5
 def _trainer_parity(raw_for, tmp_path, nproc: int, overrides: list[str], base=()) -> tuple[dict, dict]:
     """dist_runs' parity worker (Trainer.train_step on the same global rows) in one process and at
     `overrides` on `nproc` ranks."""
-    from dist_runs import HERE, write_config
+    from dist_runs import HERE, parity_reference, write_config
 
     base = ["data.batch_size=2", "train.grad_accum=2", *base]
     runs = {}
     for name, n, extra in (("one", 1, []), ("pp", nproc, overrides)):
         cfg = write_config(raw_for, tmp_path / name, [*base, *extra])
-        launch([str(HERE), "parity", str(cfg), str(tmp_path / f"{name}.json"), str(TRAINER_STEPS)], nproc=n)
+        if n == 1:
+            parity_reference(cfg, tmp_path / "one.json", TRAINER_STEPS)
+        else:
+            launch([str(HERE), "parity", str(cfg), str(tmp_path / "pp.json"), str(TRAINER_STEPS)], nproc=n)
         runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
     return runs["one"], runs["pp"]
 
@@ -409,11 +412,11 @@ COMPILED = ["dist.compile=true", "dist.compile_backend=aot_eager"]
 def test_killed_at_pp2_resumed_in_one_process_continues_the_run(make_raw, tmp_path, first, then, extra):
     """PP(2) and one process read the same rows (one data slot), so a run killed at one and resumed
     at the other continues the uninterrupted run's losses, and ends with its evaluation."""
-    from dist_runs import checkpoint_names, losses, train, write_config
+    from dist_runs import checkpoint_names, losses, reference_run, train, write_config
 
     ref, run = tmp_path / "ref", tmp_path / "run"
     base = ["train.grad_accum=2", first[1], *extra]
-    train(write_config(make_raw, ref, base), first[0])
+    reference_run(write_config(make_raw, ref, base), first[0])
     config = write_config(make_raw, run, base)
     assert train(config, first[0], "train.faults.kill_at_step=5", check=False).returncode != 0
     assert checkpoint_names(run) == ["step_2", "step_4"]

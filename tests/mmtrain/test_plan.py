@@ -28,7 +28,7 @@ TINY = str(bench_plan.REPO / "configs" / "tiny.yaml")
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_planned_peak_equals_the_measured_peak(ranks):
+def test_planned_peak_equals_the_measured_peak(ranks, warm_subprocess):
     planned = bench_plan.planned(f"tiny:{ranks}:rows=2")
     measured = bench_plan.measured(f"tiny:{ranks}:rows=2", timeout=300)
     assert planned["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.02)

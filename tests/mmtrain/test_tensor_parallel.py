@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from dist_runs import HERE as WORKER
-from dist_runs import launch, train, write_config
+from dist_runs import launch, parity_reference, train, write_config
 
 pytestmark = pytest.mark.distributed
 SLOW = pytest.mark.slow  # make test-slow
@@ -44,7 +44,7 @@ def _parity(raw_for, tmp_path, mesh: str) -> tuple[dict, dict]:
     nproc, rows, overrides = MESHES[mesh]
     base = [f"data.batch_size={rows}", *(o for o in overrides if not o.startswith("dist."))]
     one_cfg = write_config(raw_for, tmp_path / "one", base)
-    launch([str(WORKER), "parity", str(one_cfg), str(tmp_path / "one.json"), str(STEPS)])
+    parity_reference(one_cfg, tmp_path / "one.json", STEPS)
     config = write_config(raw_for, tmp_path / "run", [*base, *overrides])
     launch([str(WORKER), "parity", str(config), str(tmp_path / "tp.json"), str(STEPS)], nproc=nproc)
     return tuple(json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "tp"))

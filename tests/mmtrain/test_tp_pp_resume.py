@@ -66,11 +66,11 @@ def test_killed_at_tp2_pp2_resumed_at_another_mesh_continues_the_run(make_raw, t
     one process's (TP(2) x PP(2) gives its losses, test_pipeline.py), the cheapest to run."""
     import json
 
-    from dist_runs import checkpoint_names, losses, train, write_config
+    from dist_runs import checkpoint_names, losses, reference_run, train, write_config
 
     ref, run = tmp_path / "ref", tmp_path / "run"
     base = ["train.grad_accum=2", *heads]
-    train(write_config(make_raw, ref, base))
+    reference_run(write_config(make_raw, ref, base))
     config = write_config(make_raw, run, [*base, *RANKS[first][1]])
     assert train(config, RANKS[first][0], "train.faults.kill_at_step=3", check=False).returncode != 0
     assert checkpoint_names(run) == ["step_2"]  # steps 3-8 run at the other mesh

@@ -9,7 +9,7 @@ import json
 
 import pytest
 from dist_runs import HERE as WORKER
-from dist_runs import launch, write_config
+from dist_runs import launch, parity_reference, write_config
 
 from mmtrain.config import apply_override, from_dict
 from mmtrain.errors import ConfigError
@@ -47,7 +47,7 @@ def reference(raw_for, tmp_path_factory):
         if key not in cache:
             out = tmp_path_factory.mktemp("one")
             config = write_config(raw_for, out / "run", base)
-            launch([str(WORKER), "parity", str(config), str(out / "one.json"), STEPS])
+            parity_reference(config, out / "one.json", int(STEPS))
             cache[key] = json.loads((out / "one.json").read_text())
         return cache[key]
 

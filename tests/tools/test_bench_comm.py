@@ -12,7 +12,7 @@ from tools.bench import bench_comm, bench_comm_cp
 
 
 @pytest.mark.distributed
-def test_counted_bytes_equal_the_formula_at_fsdp2_and_ep2():
+def test_counted_bytes_equal_the_formula_at_fsdp2_and_ep2(warm_subprocess):
     rows = [bench_comm.compare(name, *bench_comm.MEASURED_MESHES[name][:2],
                                bench_comm.measure(name, *bench_comm.MEASURED_MESHES[name][:2], timeout=180))
             for name in ("FSDP(2)", "EP(2)")]
@@ -51,7 +51,7 @@ def test_cp_fetch_follows_the_documents_and_never_exceeds_the_all_gather():
 
 
 @pytest.mark.distributed
-def test_cp_fetch_equals_what_the_context_parallel_layer_sends():
+def test_cp_fetch_equals_what_the_context_parallel_layer_sends(warm_subprocess):
     """The sparse layer of models/attention/context.py on 2 gloo ranks, on the same row (an image
     across the chunk boundary, documents that straddle it): each rank's counted `cp_kv_fetch`
     bytes are the ones cp_fetch computes."""

@@ -44,7 +44,7 @@ def _experiment(tmp: Path, shipped_path: Path = DEFAULT) -> Path:
 
 
 @pytest.mark.budget(60)
-def test_smoke_runs_every_arm_and_writes_the_table(tmp_path, capsys):
+def test_smoke_runs_every_arm_and_writes_the_table(tmp_path, capsys, warm_subprocess):
     exp = _experiment(tmp_path)
     out, report = tmp_path / "out", tmp_path / "report"
     args = ["--experiment", str(exp), "--out", str(out), "--smoke", "--seeds", "0", "--jobs", "2",
@@ -81,7 +81,7 @@ MIXTURE = Path("configs/experiments/collapse/mixture.yaml")
 
 
 @pytest.mark.budget(60)
-def test_mixture_arms_run_and_a_matched_mix_comes_from_the_controller(tmp_path, capsys):
+def test_mixture_arms_run_and_a_matched_mix_comes_from_the_controller(tmp_path, capsys, warm_subprocess):
     """The preventing-collapse experiment's new arms (controller, token weighting, both) run with its
     common overrides; --matched prints the controller's average shares as a fixed mix."""
     exp = _experiment(tmp_path, MIXTURE)

@@ -68,7 +68,7 @@ def test_onset_summary_counts_reads_and_tests_against_the_pooled_reference():
 
 
 @pytest.mark.budget(60)
-def test_onset_arms_run_and_their_records_outlive_the_run_dirs(tmp_path, capsys):
+def test_onset_arms_run_and_their_records_outlive_the_run_dirs(tmp_path, capsys, warm_subprocess):
     exp = _experiment(tmp_path, ONSET)
     out, records = tmp_path / "out", tmp_path / "records"
     args = ["--experiment", str(exp), "--out", str(out), "--smoke", "--seeds", "0",

@@ -27,8 +27,10 @@ import os
 import runpy
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from functools import cache
@@ -42,11 +44,18 @@ PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torch
 # read when a library loads (OpenMP's pool size), so the parent must already have them
 IMPORT_TIME_ENV = {"OMP_NUM_THREADS": "1"}
 GRACE_S = 5.0  # SIGTERM to SIGKILL for the ranks left when one fails (torchrun waits 30 s)
+_REAL_RUN = subprocess.run  # before a test patches subprocess_run in
+_START = threading.Lock()  # a tool's thread pool may launch its first two runs at once
 
 
 @cache
 def _context() -> mp.context.ForkServerContext:
     """The forkserver, started on first use with the import-time environment it must have."""
+    with _START:
+        return _start()
+
+
+def _start() -> mp.context.ForkServerContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     saved = {k: os.environ.get(k) for k in IMPORT_TIME_ENV}
@@ -75,13 +84,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(env: dict, rank: int, nproc: int, port: int) -> dict:
+def rank_env(env: dict, rank: int, nproc: int, port: int, torchrun: bool) -> dict:
     """torchrun's variables for `rank` of a one-node job with no restarts and no agent store."""
-    if nproc == 1:
+    if not torchrun:
         return dict(env)
     return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
             "ROLE_NAME": "default", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "localhost",
             "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
             "TORCHELASTIC_RUN_ID": "warm", "TORCHELASTIC_USE_AGENT_STORE": "False"}
 
@@ -134,14 +143,17 @@ def _stop(procs: list, grace: float) -> None:
         p.join()
 
 
-def run(args: list[str], nproc: int, env: dict, cwd: Path, timeout: float):
-    """`python ARGS` (nproc 1) or a torchrun-like group of `nproc` forked ranks.
-    Returns (exit code, stdout, stderr), or raises TimeoutError with the stderr so far."""
+def run(args: list[str], nproc: int, env: dict, cwd: Path, timeout: float, merge: bool = False,
+        torchrun: bool | None = None):
+    """`python ARGS` (nproc 1, unless `torchrun`) or a torchrun-like group of `nproc` forked ranks.
+    Returns (exit code, stdout, stderr), or raises TimeoutError with the stderr so far.
+    merge: stderr into stdout, interleaved as written (stderr is then "")."""
     ctx, port = _context(), free_port()
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
-        logs = [(f"{tmp}/out{r}", f"{tmp}/err{r}") for r in range(nproc)]
+        logs = [(f"{tmp}/out{r}", f"{tmp}/{'out' if merge else 'err'}{r}") for r in range(nproc)]
         procs = [ctx.Process(target=_rank_main, daemon=False, name=f"rank{r}",
-                             args=(args, rank_env(env, r, nproc, port), str(cwd), *logs[r]))
+                             args=(args, rank_env(env, r, nproc, port, torchrun or nproc > 1), str(cwd),
+                                   *logs[r]))
                  for r in range(nproc)]
         first_failure = None
         try:
@@ -157,8 +169,8 @@ def run(args: list[str], nproc: int, env: dict, cwd: Path, timeout: float):
                 first_failure = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
         finally:
             _stop(procs, GRACE_S)
-        out, err = _read(logs, 0), _read(logs, 1)
-    if nproc == 1:
+        out, err = _read(logs, 0), "" if merge else _read(logs, 1)
+    if not (torchrun or nproc > 1):
         return procs[0].exitcode, out, err
     if first_failure is None:
         return 0, out, err
@@ -171,3 +183,53 @@ def run(args: list[str], nproc: int, env: dict, cwd: Path, timeout: float):
 def _read(logs: list, which: int) -> str:
     return "".join(Path(log[which]).read_text(errors="replace") if Path(log[which]).exists() else ""
                    for log in logs)
+
+
+def command(cmd: list[str]) -> tuple[list[str], int, bool] | None:
+    """(ARGS, nproc, torchrun) when `cmd` is `python ARGS` or `python -m torch.distributed.run --standalone
+    --nproc-per-node N ARGS` without restarts; None for anything else (which runs as it is)."""
+    if not cmd or cmd[0] != sys.executable or len(cmd) < 2 or cmd[1] in ("-c", "-"):
+        return None
+    if cmd[1:3] != ["-m", "torch.distributed.run"]:
+        return (cmd[1:], 1, False) if cmd[1] != "-m" or len(cmd) > 2 else None
+    rest, flags = cmd[3:], {}
+    while rest and rest[0].startswith("--"):
+        key, _, value = rest.pop(0).partition("=")
+        if key != "--standalone":
+            flags[key.replace("_", "-")] = value or rest.pop(0)
+    nproc, restarts = flags.pop("--nproc-per-node", "1"), flags.pop("--max-restarts", "0")
+    flags.pop("--monitor-interval", None)
+    if flags or restarts != "0" or not nproc.isdigit() or not rest:
+        return None
+    return rest, int(nproc), True
+
+
+def subprocess_run(cmd, *, stdout=None, stderr=None, capture_output=False, text=False, env=None, cwd=None,
+                   timeout=None, check=False, **kw):
+    """subprocess.run for a test to patch in: a Python or torchrun command runs forked from the warm
+    parent (`command`); any other, or one whose environment the parent cannot give, runs as it is."""
+    plain = isinstance(cmd, list | tuple) and set(kw) <= {"encoding", "errors"}
+    parsed = command([str(c) for c in cmd]) if plain else None
+    if parsed is None or not can_fork(os.environ if env is None else env):
+        return _REAL_RUN(cmd, stdout=stdout, stderr=stderr, capture_output=capture_output, text=text, env=env,
+                         cwd=cwd, timeout=timeout, check=check, **kw)
+    merge = stderr == subprocess.STDOUT
+    try:
+        args, nproc, torchrun = parsed
+        fork_env = dict(os.environ if env is None else env)
+        code, out, err = run(args, nproc, fork_env, Path(cwd or os.getcwd()), timeout or 24 * 3600.0,
+                             merge=merge, torchrun=torchrun)
+    except TimeoutError:
+        raise subprocess.TimeoutExpired(cmd, timeout) from None
+    for handle, data in ((stdout, out), (stderr, err)):
+        if hasattr(handle, "write"):
+            handle.write(data if "b" not in getattr(handle, "mode", "") else data.encode())
+            handle.flush()
+    keep = capture_output or stdout == subprocess.PIPE
+    as_type = (lambda x: x) if text or kw.get("encoding") else str.encode
+    done = subprocess.CompletedProcess(cmd, code, as_type(out) if keep else None,
+                                       as_type(err) if capture_output or stderr == subprocess.PIPE else None)
+    if check:
+        done.check_returncode()
+    return done
+
