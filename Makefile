@@ -46,13 +46,15 @@ train: $(TRAIN_STAMP) $(DATA)/manifest.json
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# the fast tier (docs/CONVENTIONS.md, "Tests"): every case over 2 s is listed with its time, and a case
+# over its time budget fails the run
 test: lint
-	$(BIN)/python -m pytest --durations=30
+	$(BIN)/python -m pytest --durations=0 --durations-min=2
 
 # + the cases behind MMTRAIN_SLOW_TESTS=1 (every schedule and mesh, the plan tables against the docs):
 # many more multi-rank runs than make test; run it after changing the parallel code, the plan or a shipped config
 test-slow: lint
-	MMTRAIN_SLOW_TESTS=1 $(BIN)/python -m pytest
+	MMTRAIN_SLOW_TESTS=1 $(BIN)/python -m pytest --durations=0 --durations-min=2
 
 bench: $(STAMP) $(DATA)/manifest.json
 	$(BIN)/python -m tools.bench.bench_loader --data $(DATA)

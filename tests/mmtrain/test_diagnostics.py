@@ -92,7 +92,6 @@ def test_reliance_gap_is_zero_when_media_cannot_reach_the_text(make_config, tmp_
         assert abs(gap) < 1e-5
 
 
-@pytest.mark.budget(60)
 def test_briefly_trained_model_relies_on_images(make_config, tmp_path):
     tr = _trainer(make_config, tmp_path / "run", "train.steps=50", "optim.lr=0.01")
     batches = iter(tr.train_loader)

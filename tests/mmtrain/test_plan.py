@@ -110,6 +110,7 @@ def test_the_fast_tracker_gives_the_reference_trackers_plan():
     assert fast["memory"] == exact["memory"] and fast["memory"]["top_modules"]
 
 
+@pytest.mark.budget(30)  # 7 s measured
 def test_one_layer_per_kind_scaled_is_the_full_trace():
     """layers.py (the default for large configs): the reduced models' traces scaled to 6 decoder
     layers (three kinds, one of them 3 times) and 3 vision blocks give the full trace's plan: the

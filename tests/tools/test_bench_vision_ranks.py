@@ -64,7 +64,8 @@ def test_fit_quick_prints_the_overrides(capsys):
                      capsys.readouterr().out)
 
 
-def test_measured_quick_encoder_and_memory(sets, capsys):
+@pytest.mark.distributed
+def test_measured_quick_encoder_and_memory(sets, capsys, warm_subprocess):
     args = [*_argv(sets), "--quick", "--steps", "1", "--timeout", "400"]
     bench_vision_ranks.main([*args, "--part", "encoder", "--ranks", "2"])
     bench_vision_ranks.main([*args, "--part", "memory", "--cp", "2"])

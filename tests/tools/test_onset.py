@@ -67,7 +67,7 @@ def test_onset_summary_counts_reads_and_tests_against_the_pooled_reference():
     assert o["ref_pooled"]["seeds"] == 12 and o["ref_pooled"]["started"] == 1
 
 
-@pytest.mark.budget(60)
+@pytest.mark.budget(30)  # 5 s measured
 def test_onset_arms_run_and_their_records_outlive_the_run_dirs(tmp_path, capsys, warm_subprocess):
     exp = _experiment(tmp_path, ONSET)
     out, records = tmp_path / "out", tmp_path / "records"
