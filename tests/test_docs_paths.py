@@ -93,3 +93,12 @@ def test_modules_cite_files_in_the_checkout():
            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
            for c in module_citations(line) if cited_missing(c, names)]
     assert not bad, "modules cite files that are not in the checkout: " + ", ".join(bad)
+
+
+def test_every_benchmarks_section_carries_its_date():
+    """docs/BENCHMARKS.md: a reader can tell how old each section's figures are."""
+    lines = (ROOT / "docs" / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines()
+    undated = [h for i, h in enumerate(lines) if h.startswith("## ")
+               and not re.fullmatch(r"\*Last updated \d{4}-\d{2}-\d{2}\.\*", next(
+                   (t for t in lines[i + 1:i + 4] if t.strip()), ""))]
+    assert not undated, f"sections without a '*Last updated YYYY-MM-DD.*' line under the heading: {undated}"
