@@ -36,6 +36,7 @@ for kv in dp_replicate="${DP_REPLICATE:-}" dp_shard="${DP_SHARD:-}" cp="${CP:-}"
   [ -n "${kv#*=}" ] && MESH+=(--set "dist.$kv")
 done
 source launch/preflight.sh  # memory per GPU before the launch; MMTRAIN_SKIP_PLAN=1 skips it
+source launch/flight_recorder.sh  # an NCCL timeout names its collective (docs/DISTRIBUTED.md, "Faults")
 preflight "$CONFIG" "$((NNODES * NPROC_PER_NODE))" ${MESH[@]+"${MESH[@]}"} "$@"
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \

@@ -18,6 +18,7 @@ if [ -z "${NPROC:-}" ]; then
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 source launch/preflight.sh
+source launch/flight_recorder.sh  # an NCCL timeout names its collective (docs/DISTRIBUTED.md, "Faults")
 preflight "$CONFIG" "$NPROC" "$@"  # memory per GPU before the launch; MMTRAIN_SKIP_PLAN=1 skips it
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
   --max-restarts "${MAX_RESTARTS:-3}" -m mmtrain.train "$CONFIG" "$@"

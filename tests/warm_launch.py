@@ -8,7 +8,9 @@ run, so nothing but the interpreter is forked mid-use). Each rank is forked from
 - is its own OS process in its own session (as torchrun's workers are), with its own gloo
   connections: SIGKILL kills it for real and its exit code is -9;
 - gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT,
-  TORCHELASTIC_RESTART_COUNT, ...; rank 0 hosts the rendezvous store, as with no agent store);
+  TORCHELASTIC_RESTART_COUNT, ...) and, as torchrun's agent does, a rendezvous store the launcher
+  hosts (TORCHELASTIC_USE_AGENT_STORE=True): it listens before any rank starts, on a port the
+  kernel gave it, so no rank races another to bind or to connect;
 - runs `-m module` or a script as `__main__` with `sys.argv`, `sys.path[0]`, the working
   directory and the environment the command line would give it, and its atexit handlers at exit.
 
@@ -26,7 +28,6 @@ import multiprocessing as mp
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -78,21 +79,22 @@ def can_fork(env: dict) -> bool:
     return all(env.get(k) == v for k, v in IMPORT_TIME_ENV.items())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def agent_store(nproc: int):
+    """The group's rendezvous store, listening already (torchrun's agent store: the ranks connect)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("localhost", 0, nproc, is_master=True, wait_for_workers=False)
 
 
 def rank_env(env: dict, rank: int, nproc: int, port: int, torchrun: bool) -> dict:
-    """torchrun's variables for `rank` of a one-node job with no restarts and no agent store."""
+    """torchrun's variables for `rank` of a one-node job with no restarts, on the agent's store."""
     if not torchrun:
         return dict(env)
     return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
             "ROLE_NAME": "default", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
             "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "localhost",
             "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_RUN_ID": "warm", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+            "TORCHELASTIC_RUN_ID": "warm", "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def _rank_main(args: list[str], env: dict, cwd: str, out: str, err: str) -> None:
@@ -148,7 +150,9 @@ def run(args: list[str], nproc: int, env: dict, cwd: Path, timeout: float, merge
     """`python ARGS` (nproc 1, unless `torchrun`) or a torchrun-like group of `nproc` forked ranks.
     Returns (exit code, stdout, stderr), or raises TimeoutError with the stderr so far.
     merge: stderr into stdout, interleaved as written (stderr is then "")."""
-    ctx, port = _context(), free_port()
+    ctx = _context()
+    store = agent_store(nproc) if torchrun or nproc > 1 else None
+    port = store.port if store is not None else 0
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         logs = [(f"{tmp}/out{r}", f"{tmp}/{'out' if merge else 'err'}{r}") for r in range(nproc)]
         procs = [ctx.Process(target=_rank_main, daemon=False, name=f"rank{r}",
@@ -170,6 +174,7 @@ def run(args: list[str], nproc: int, env: dict, cwd: Path, timeout: float, merge
         finally:
             _stop(procs, GRACE_S)
         out, err = _read(logs, 0), "" if merge else _read(logs, 1)
+    del store  # the port closes with the group
     if not (torchrun or nproc > 1):
         return procs[0].exitcode, out, err
     if first_failure is None:

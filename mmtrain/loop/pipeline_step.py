@@ -40,10 +40,10 @@ def check_pipeline_objective(objective) -> None:
 
 class PipelineStep:
     def __init__(self, objective, parts: list[StageModel], schedule: str, pp_group, device: torch.device,
-                 accum: int):
+                 accum: int, dtype: torch.dtype = torch.float32):
         check_pipeline_objective(objective)
         self.objective, self.parts, self.name = objective, parts, schedule
-        self.group, self.device, self.accum = pp_group, device, accum
+        self.group, self.device, self.accum, self.dtype = pp_group, device, accum, dtype
         self.last = next((p for p in parts if p.is_last), None)
         self.schedule = None  # built on the first step: its shapes come from the first batch
         self._loss = None
@@ -56,7 +56,7 @@ class PipelineStep:
         mbs = [self.objective.prepare(b, sums) for b in batches]
         if self.schedule is None:
             self.schedule = build_schedule(self.name, self.parts, self.group, self.device, self.accum,
-                                           self._loss_fn, mbs[0].inputs)
+                                           self._loss_fn, mbs[0].inputs, self.dtype)
         measured = self.objective.measures_attention  # a log step: the layers count what they visit
         for part in self.parts:
             part.records.clear()
@@ -64,7 +64,8 @@ class PipelineStep:
             part.measure_attn = measured
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         args = [(mb.inputs["tokens_BS"],) for mb in mbs]
-        run_schedule(self.schedule, args, [mb.inputs for mb in mbs], mbs)
+        with self.objective.autocast():  # the trainer's (bf16 on CUDA), as its one-process forward
+            run_schedule(self.schedule, args, [mb.inputs for mb in mbs], mbs)
         for part in self.parts:  # this rank's layers; the objective sums every layer over the world
             for counts in part.attn_records:
                 self.objective.add_attention(counts)

@@ -106,7 +106,7 @@ class PipelineTrainModule:
         """The schedule's loss_fn is the objective's (refuses the terms it cannot run, in one line)."""
         pipe = self.pipeline
         self.step = PipelineStep(objective, pipe.parts, self.cfg.dist.pp_schedule, pipe.group, self.device,
-                                 self.cfg.train.grad_accum)
+                                 self.cfg.train.grad_accum, pipe.boundary_dtype)
 
     def grad_parts(self) -> GradParts:
         return GradParts(self.trained, self.pipeline.part_norm)

@@ -59,9 +59,14 @@ def all_to_all(x_ND: Tensor, out_P: list[int], in_P: list[int], group, count) ->
 
 
 def all_to_all_single(out: Tensor, x: Tensor, out_P: list[int] | None, in_P: list[int] | None, group) -> None:
-    """dist.all_to_all_single that honours the process group's timeout: gloo's all-to-all was seen
-    waiting past it for a peer that never joined (torch 2.13: a skipped EP dispatch on 4 ranks,
-    still waiting after 10 min in a wait with no deadline), where its other collectives time out."""
+    """dist.all_to_all_single that honours the process group's timeout on gloo: its all-to-all was
+    seen waiting past it for a peer that never joined (torch 2.13: a skipped EP dispatch on 4 ranks,
+    still waiting after 10 min in a wait with no deadline), where its other collectives time out.
+    Any other backend enqueues it and returns: on NCCL a host wait would block the CPU until the GPU
+    finished (~342 times a micro-batch at m3), and NCCL's watchdog bounds the collective itself."""
+    if dist.get_backend(group) != "gloo":
+        dist.all_to_all_single(out, x, out_P, in_P, group=group)
+        return
     work = dist.all_to_all_single(out, x, out_P, in_P, group=group, async_op=True)
     try:
         if not work.wait(calls.timeout()):

@@ -177,6 +177,11 @@ class ParallelDims:
         assert self.tp > 1, "no tp mesh at tp = 1"
         return self._mesh(device_type, "tp", (self.dp_size * self.cp,), ("dp_cp",))["tp"]
 
+    def stage_mesh(self, device_type: str):
+        """(stage,): every rank of this rank's pipeline stage (the world when pp = 1): the ranks that run
+        the same layers at the same time, so the ones a collective inside a layer may span."""
+        return self._mesh(device_type, "stage", (self.world_size // self.pp,), ("stage",), with_tp=False)
+
     def pp_mesh(self, device_type: str):
         """(pp,): the pipeline stages that hold the same data slot and tp coordinate (pp > 1)."""
         assert self.pp > 1, "no pp mesh at pp = 1"

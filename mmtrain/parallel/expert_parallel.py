@@ -41,20 +41,23 @@ Tensor = torch.Tensor
 
 
 class AllToAllDispatcher:
-    def __init__(self, group: dist.ProcessGroup, n_experts: int, traffic: Traffic | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup, n_experts: int, traffic: Traffic | None = None,
+                 stage_group: dist.ProcessGroup | None = None) -> None:
         self.group, self.P = group, dist.get_world_size(group)
+        self.stage_group = stage_group  # the chunk count's (None: the world)
         self.me, self.E = dist.get_rank(group), n_experts
         self.L = n_experts // self.P
         self.traffic = traffic
 
     def chunks(self, T: int, chunk: int, device: torch.device) -> int:
-        """The chunk count of every rank: the most any rank's T needs. Over all ranks, not just the
-        ep group: each chunk also calls the experts module, whose FSDP unshard all-gathers over the
-        expert mesh's other dims (efsdp, dp_replicate), which join other ep groups."""
+        """The chunk count of every rank: the most any rank's T needs. Over the stage's ranks, not just
+        the ep group: each chunk also calls the experts module, whose FSDP unshard all-gathers over the
+        expert mesh's other dims (efsdp, dp_replicate), which join other ep groups. Not over the world:
+        under dist.pp the other stages run other layers and never join (a hang at PP x EP x ffn_chunk)."""
         if chunk <= 0:
             return 1  # one dispatch per layer on every rank
         n = torch.tensor([chunk_count(T, chunk)], device=device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.stage_group)
         return int(n.item())  # host sync: a loop bound
 
     def __call__(self, experts: nn.Module, x_TD: Tensor, idx_TK: Tensor, w_TK: Tensor) -> Tensor:
@@ -93,7 +96,7 @@ def _by_local_expert(recv_PL: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return torch.argsort(expert_n, stable=True), recv_PL.sum(0)
 
 
-def shard_experts(moes: list[MoE], ep_mesh, traffic: Traffic | None = None) -> None:
+def shard_experts(moes: list[MoE], ep_mesh, traffic: Traffic | None = None, stage_group=None) -> None:
     """Shard(0) the routed experts of each layer over `ep_mesh` and route their rows there.
 
     Every rank built the whole model from the same seed (or on the meta device): each keeps its
@@ -108,4 +111,4 @@ def shard_experts(moes: list[MoE], ep_mesh, traffic: Traffic | None = None) -> N
             mine = param.data.chunk(P)[me].clone()
             sharded = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)
             moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), moe.cfg.n_routed, traffic)
+        moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), moe.cfg.n_routed, traffic, stage_group)

@@ -152,6 +152,14 @@ def _apply_fsdp(model: MultimodalModel, cfg: RunConfig, dims: ParallelDims, devi
     shard_blocks(model, moes, blocks, cfg, dims, device, traffic)
 
 
+def compute_dtype(cfg: RunConfig, device: torch.device, sharded: bool = True) -> torch.dtype:
+    """The dtype an FSDP2-sharded block computes (and hands on) in: bf16 parameters on CUDA with
+    train.dtype bfloat16 (the MixedPrecisionPolicy below), else fp32. Unsharded fp32 parameters keep
+    the residual stream fp32 under autocast too (a bf16 matmul output added to it is promoted)."""
+    bf16 = sharded and device.type == "cuda" and cfg.train.dtype == "bfloat16"
+    return torch.bfloat16 if bf16 else torch.float32
+
+
 def shard_blocks(root: nn.Module, moes: list[nn.Module], blocks: list[nn.Module], cfg: RunConfig,
                  dims: ParallelDims, device: torch.device, traffic: Traffic | None) -> None:
     """FSDP2 of a whole model or of one pipeline stage (`root`): with dist.ep > 1 first the routed
@@ -160,12 +168,13 @@ def shard_blocks(root: nn.Module, moes: list[nn.Module], blocks: list[nn.Module]
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict = {"reshard_after_forward": cfg.dist.reshard_after_forward}
-    if device.type == "cuda" and cfg.train.dtype == "bfloat16":
+    if compute_dtype(cfg, device) == torch.bfloat16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if dims.ep > 1 and moes:
         experts = dims.expert_mesh(device.type)
         try:
-            shard_experts(moes, experts["ep"], traffic)
+            stage = dims.stage_mesh(device.type).get_group() if dims.pp > 1 else None  # None: the world
+            shard_experts(moes, experts["ep"], traffic, stage)
         except ValueError as e:
             raise UserError(str(e)) from None
         fsdp_mesh = dims.expert_fsdp_mesh(device.type)  # (dp_replicate, efsdp[ x tp])
@@ -226,11 +235,12 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     return total.detach()
 
 
-def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+def global_norm(tensors: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """L2 norm of `tensors` (plain, or DTensors on any meshes) over all shards on all ranks: the norm
-    per mesh, the squares summed. A collective for DTensors: every rank calls it alike."""
+    per mesh, the squares summed. A collective for DTensors: every rank calls it alike. With none,
+    0 on `device` (the run's: a result that goes into a collective must live where its group does)."""
     if not tensors:
-        return torch.zeros(())
+        return torch.zeros((), device=device)
     norms = [_mesh_norm(group) for group in _by_mesh(tensors).values()]
     return norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
 

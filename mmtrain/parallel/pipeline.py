@@ -312,19 +312,18 @@ def compile_stages(parts: list[StageModel], backend: str) -> None:
 
 
 def build_schedule(name: str, parts: list[StageModel], pp_group, device: torch.device, n_microbatches: int,
-                   loss_fn: Callable, example: dict[str, Tensor]):
+                   loss_fn: Callable, example: dict[str, Tensor], dtype: torch.dtype = torch.float32):
     """torch's schedule over this rank's stages. Shapes are given up front (static mode: no
-    metadata-inference forward, so nothing runs twice): h_BSD and aux_2 between stages, tokens into
-    stage 0. Gradients are not rescaled by the schedule: `loss_fn` returns the share to backward."""
+    metadata-inference forward, so nothing runs twice): h_BSD (in `dtype`, the stages' compute
+    dtype) and aux_2 (fp32) between stages, tokens into stage 0. Gradients are not rescaled by the
+    schedule: `loss_fn` returns the share to backward."""
     cls = schedule_class(name)
     n_stages = parts[0].n_stages
     B, S = example["tokens_BS"].shape
     shard = parts[0].context
     S = S if shard is None else shard.hi - shard.lo  # sequence parallelism: the chunk crosses
     D = parts[0].cfg.decoder.dim
-    # both carry gradients (aux_2 on a stage without MoE layers has none to give: torch skips it)
-    acts = (torch.empty(B, S, D, device=device, requires_grad=True),
-            torch.empty(len(AUX_NAMES), device=device, requires_grad=True))
+    acts = boundary_args(B, S, D, dtype, device)
     stages = [PipelineStage(part, part.stage, n_stages, device, group=pp_group, output_args=acts,
                             input_args=(example["tokens_BS"],) if part.is_first else acts)
               for part in parts]
@@ -335,6 +334,13 @@ def build_schedule(name: str, parts: list[StageModel], pp_group, device: torch.d
     except ValueError as e:  # torch's own constraint on the micro-batch count, in one line
         raise UserError(f"train.grad_accum: {n_microbatches} micro-batches do not fit dist.pp_schedule "
                         f"{name}: {str(e).splitlines()[0]}") from None
+
+
+def boundary_args(B: int, S: int, D: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """What a stage sends and receives, as torch's static stage metadata: (h_BSD in `dtype`, aux_2 fp32),
+    both carrying gradients (aux_2 on a stage without MoE layers has none to give: torch skips it)."""
+    return (torch.empty(B, S, D, device=device, dtype=dtype, requires_grad=True),
+            torch.empty(len(AUX_NAMES), device=device, dtype=torch.float32, requires_grad=True))
 
 
 def run_schedule(schedule, arg_mbs: list, kwarg_mbs: list, target_mbs: list) -> None:
@@ -367,7 +373,8 @@ def pp_grad_norm(parts: list[nn.Module], pp_group, max_norm: float) -> Tensor:
     """The gradient norm over every stage (squares summed over the pipeline group), gradients
     clipped to `max_norm` (0: no clip); the same 0-dim tensor on every rank of the pipeline."""
     grads = [p.grad for m in parts for p in m.parameters() if p.grad is not None]
-    sq = global_norm(grads).double().square() if grads else torch.zeros((), dtype=torch.float64)
+    device = next(p.device for m in parts for p in m.parameters())  # a stage holds parameters
+    sq = global_norm(grads, device).double().square()  # 0 where no gradient: NCCL takes no CPU tensor
     dist.all_reduce(sq, group=pp_group)
     norm = sq.sqrt().float()
     if max_norm:  # per mesh: DTensors on different meshes (dense, experts) cannot meet in one op

@@ -32,7 +32,7 @@ from mmtrain.models.multimodal import MultimodalModel
 from mmtrain.parallel.context_parallel import context_shard
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv, all_reduce
-from mmtrain.parallel.parallelize import prime_probes, scale_expert_grads, shard_blocks
+from mmtrain.parallel.parallelize import compute_dtype, prime_probes, scale_expert_grads, shard_blocks
 from mmtrain.parallel.pipeline import (
     StageModel,
     build_stage_models,
@@ -96,11 +96,16 @@ class PipelineModel:
         self.context = context_shard(dims, device, cfg.data.seq_len, traffic)
         for part in self.parts:
             part.context = self.context
-        if dims.dp_size * dims.seq_size > 1:  # the dense mesh's fsdp includes tp (dims.py)
+        sharded = dims.dp_size * dims.seq_size > 1  # the dense mesh's fsdp includes tp (dims.py)
+        # what crosses a stage boundary: h_BSD in the dtype the stage computes in (bf16 under FSDP2's
+        # bf16 policy: a boundary declared fp32 makes NCCL wait for twice the bytes sent, a hang)
+        self.boundary_dtype = compute_dtype(cfg, device, sharded)
+        if sharded:
             dims.dense_mesh(device.type)  # collective: every rank, whether its stages have experts or not
             if dims.ep > 1:
                 dims.expert_mesh(device.type)
                 dims.expert_fsdp_mesh(device.type)
+                dims.stage_mesh(device.type)  # the MoE chunk count's group (expert_parallel.py)
             for part in self.parts:
                 _shard_stage(part, cfg, dims, device, traffic)
         self.module = self.parts[0] if len(self.parts) == 1 else StageUnion(self.parts)
@@ -121,7 +126,7 @@ class PipelineModel:
 
     def part_norm(self, grads: list[Tensor]) -> Tensor:
         """The norm of a part's gradients (grad_parts.py) summed over the stages."""
-        return pp_grad_norm_of(grads, self.group)
+        return pp_grad_norm_of(grads, self.group, self.device)
 
     def update_moe_bias(self, env: DistEnv) -> None:
         """The balancing bias step of each stage's MoE layers from the load of every rank: an (L, E)
@@ -158,12 +163,14 @@ class _Unsharded:
         return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
-def pp_grad_norm_of(grads: list[Tensor], group) -> Tensor:
+def pp_grad_norm_of(grads: list[Tensor], group, device: torch.device) -> Tensor:
+    """The norm of `grads` over the pipeline group: a stage without any of them adds 0, on `device`
+    (a CPU tensor on an NCCL group raises: the first log step of a pipeline on GPUs)."""
     import torch.distributed as dist
 
     from mmtrain.parallel.parallelize import global_norm
 
-    sq = global_norm(grads).double().square() if grads else torch.zeros((), dtype=torch.float64)
+    sq = global_norm(grads, device).double().square()
     dist.all_reduce(sq, group=group)
     return sq.sqrt().float()
 

@@ -38,6 +38,9 @@ MESHES = {  # (ranks, overrides)
     # pp: the two data ranks' micro-batches differ (all-padding, media-free) while each pipeline's two
     # stages read the same ones; visual_next is refused at pp (check_pipeline_objective)
     "pp2-fsdp2": (4, [*PP]),
+    # MoE's chunk count (BASE's ffn_chunk) is agreed over the stage, not the world: the other stage
+    # runs other layers (it hung at the first step when it was the world)
+    "pp2-ep2": (4, [*PP, "dist.ep=2"]),
 }
 SLOW_MESHES = {
     "pp2": (2, [*PP]),
