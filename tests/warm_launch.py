@@ -108,6 +108,9 @@ def _rank_main(args: list[str], env: dict, cwd: str, out: str, err: str) -> None
     sys.stderr.reconfigure(write_through=True)
     os.environ.clear()
     os.environ.update(env)
+    import torch.distributed as dist  # (preloaded)
+
+    dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG is read at import: the parent's was not ours
     os.chdir(cwd)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the forkserver ignores SIGINT
     # the parent preloaded the module `-m` runs as __main__, which runpy warns of; a cold start would not

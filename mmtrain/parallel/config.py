@@ -45,6 +45,9 @@ class DistConfig:
     # (Dynamo + AOTAutograd, FSDP2's hooks included) without generating code: the CPU tests' choice
     compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     meta_init: bool = True  # FSDP on CUDA: build on the meta device, shard, then initialise (no full copy)
+    # train.dtype bfloat16's FSDP2 policy (bf16 weights, fp32 gradient reduction) on CPU too: gloo runs
+    # it, so the GPU path's dtypes (stage boundaries, reduce dtypes) are exercised before a GPU sees them
+    cpu_mixed_precision: bool = False
 
     def __post_init__(self):
         check(self, "timeout_s", gt=0)

@@ -154,9 +154,11 @@ def _apply_fsdp(model: MultimodalModel, cfg: RunConfig, dims: ParallelDims, devi
 
 def compute_dtype(cfg: RunConfig, device: torch.device, sharded: bool = True) -> torch.dtype:
     """The dtype an FSDP2-sharded block computes (and hands on) in: bf16 parameters on CUDA with
-    train.dtype bfloat16 (the MixedPrecisionPolicy below), else fp32. Unsharded fp32 parameters keep
-    the residual stream fp32 under autocast too (a bf16 matmul output added to it is promoted)."""
-    bf16 = sharded and device.type == "cuda" and cfg.train.dtype == "bfloat16"
+    train.dtype bfloat16 (the MixedPrecisionPolicy below; on CPU with dist.cpu_mixed_precision), else
+    fp32. Unsharded fp32 parameters keep the residual stream fp32 under autocast too (a bf16 matmul
+    output added to it is promoted)."""
+    on = device.type == "cuda" or cfg.dist.cpu_mixed_precision
+    bf16 = sharded and on and cfg.train.dtype == "bfloat16"
     return torch.bfloat16 if bf16 else torch.float32
 
 

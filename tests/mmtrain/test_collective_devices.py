@@ -76,8 +76,9 @@ def test_the_stage_boundary_takes_the_stages_compute_dtype():
     from mmtrain.parallel.pipeline import boundary_args
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    bf16 = SimpleNamespace(train=SimpleNamespace(dtype="bfloat16"))
-    fp32 = SimpleNamespace(train=SimpleNamespace(dtype="float32"))
+    off = SimpleNamespace(cpu_mixed_precision=False)
+    bf16 = SimpleNamespace(train=SimpleNamespace(dtype="bfloat16"), dist=off)
+    fp32 = SimpleNamespace(train=SimpleNamespace(dtype="float32"), dist=off)
     assert compute_dtype(bf16, cuda) == torch.bfloat16  # FSDP2's bf16 policy: the stage sends bf16
     assert compute_dtype(bf16, cuda, sharded=False) == torch.float32  # fp32 weights, fp32 stream
     assert compute_dtype(bf16, cpu) == compute_dtype(fp32, cuda) == torch.float32
