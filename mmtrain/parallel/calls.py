@@ -14,6 +14,11 @@ plus the collectives entered before it (`recent()`): comparing the ranks' number
 they parted. Not seen: functional collectives (DTensor redistribution, torch.compile'd graphs),
 which do not go through these functions; with NCCL, whose errors surface asynchronously, torch's
 flight recorder (TORCH_FR_BUFFER_SIZE) is the tool.
+
+Cheap on the step's path: a call records its group and tensor shapes as they are and names them
+only when printed (a failure, `report()`); its numbers and log are per thread, so DCP's async
+writer thread does not renumber the training thread's calls; inside a graph torch.compile is
+tracing, the wrapper steps aside (no frame walk in the trace: no graph break).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,22 +43,32 @@ OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single"
 KEEP = int(os.environ.get("MMTRAIN_CALL_LOG", 16))  # calls remembered (MMTRAIN_CALL_LOG)
 _ROOT = Path(__file__).resolve().parents[2]  # the repository (mmtrain/, models/)
 _TORCH = Path(torch.__file__).resolve().parent
-_recent: deque[Call] = deque(maxlen=KEEP)
-_count = 0
 _timeout = timedelta(minutes=10)  # torch's default for gloo
-_within: list[str] = []  # e.g. "backward of <the forward's site>" (autograd calls from C++: no frames)
+
+
+class _Log(threading.local):
+    """One thread's calls: its count, its last KEEP calls, its `within` labels."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.recent: deque[Call] = deque(maxlen=KEEP)
+        self.within: list[str] = []  # e.g. "backward of <the forward's site>" (autograd: no frames)
+
+
+_log = _Log()
 
 
 @dataclass
 class Call:
-    n: int  # this process's collective number (1, 2, ...): equal on every rank while they agree
+    n: int  # this thread's collective number (1, 2, ...): equal on every rank while they agree
     op: str
-    group: str
-    shape: str
+    group: object  # the process group (None: the world), named when printed
+    shape: object  # the tensor arguments (or a description), named when printed
     site: str
 
     def __str__(self) -> str:
-        return f"{self.op} #{self.n} on group {self.group} ({self.shape}) from {self.site}"
+        shape = self.shape if isinstance(self.shape, str) else _shape(self.shape)
+        return f"{self.op} #{self.n} on group {_group(self.group)} ({shape}) from {self.site}"
 
 
 def install(timeout: timedelta | None = None) -> None:
@@ -70,11 +86,11 @@ def install(timeout: timedelta | None = None) -> None:
 def within(label: str):
     """Calls made inside are reported as made from `label` too (an autograd backward: its forward's
     call site, from `site()`)."""
-    _within.append(label)
+    _log.within.append(label)
     try:
         yield
     finally:
-        _within.pop()
+        _log.within.pop()
 
 
 def timeout() -> timedelta:
@@ -82,15 +98,15 @@ def timeout() -> timedelta:
 
 
 def recent() -> list[Call]:
-    return list(_recent)
+    return list(_log.recent)
 
 
 def report() -> str:
     """This rank's last collectives, the latest first (the one it waits in, if any)."""
-    if not _recent:
+    if not _log.recent:
         return ""
     lines = [f"rank {_rank()}: last collectives entered, latest first:"]
-    lines += [f"  {c}" for c in reversed(_recent)]
+    lines += [f"  {c}" for c in reversed(_log.recent)]
     return "\n".join(lines)
 
 
@@ -98,17 +114,18 @@ def enter(op: str, group=None, shape: str = "-", skip: int = 1) -> Call:
     """Number and remember a call entered now (a wrapped collective, or the pipeline schedule's
     point-to-point batch: pipeline_p2p.py); its site starts `skip` frames up from enter's caller
     (1: the caller itself)."""
-    global _count
-    _count += 1
-    entry = Call(_count, op, _group(group), shape, site(skip + 1))
-    _recent.append(entry)
+    _log.count += 1
+    entry = Call(_log.count, op, group, shape, site(skip + 1))
+    _log.recent.append(entry)
     return entry
 
 
 def _logged(op: str, fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        entry = enter(op, kwargs.get("group"), _shape(args), skip=2)
+        if torch.compiler.is_compiling():  # traced into a graph: nothing to record at run time
+            return fn(*args, **kwargs)
+        entry = enter(op, kwargs.get("group"), _tensors(args), skip=2)
         try:
             return fn(*args, **kwargs)
         except Exception as e:
@@ -121,7 +138,7 @@ def _logged(op: str, fn):
 
 def name_failure(e: Exception, entry: Call | None = None) -> None:
     """Name the collective `e` came from (default: the last one entered) on stderr and in e's notes."""
-    entry = entry or (_recent[-1] if _recent else None)
+    entry = entry or (_log.recent[-1] if _log.recent else None)
     if entry is None or getattr(e, "_mmtrain_named", False):  # the innermost call names it (object ops nest)
         return
     e._mmtrain_named = True
@@ -144,14 +161,22 @@ def _group(group) -> str:
         return repr(group)
 
 
-def _shape(args) -> str:
-    """The shapes of the tensor arguments (lists of tensors: the first one's, times their count)."""
+def _tensors(args) -> tuple:
+    """What _shape names later: the shapes now (a tensor's data may change, its shape is kept), as
+    torch.Size tuples, and lists of tensors as (count, the first one's shape)."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            out.append(tuple(a.shape))
+            out.append(a.shape)
         elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-            out.append(f"{len(a)} x {tuple(a[0].shape)}")
+            out.append((len(a), a[0].shape))
+    return tuple(out)
+
+
+def _shape(shapes: tuple) -> str:
+    """The shapes of the tensor arguments (lists of tensors: the first one's, times their count)."""
+    out = [f"{s[0]} x {tuple(s[1])}" if isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], torch.Size)
+           else tuple(s) for s in shapes]
     return ", ".join(map(str, out)) or "-"
 
 
@@ -165,7 +190,7 @@ def site(skip: int = 1, depth: int = 3) -> str:
         if name is not None and (not torch_file or not frames):
             frames.append(f"{name}:{f.f_lineno}")
         f = f.f_back
-    return " < ".join(frames + _within[-1:]) or "?"
+    return " < ".join(frames + _log.within[-1:]) or "?"
 
 
 @functools.cache

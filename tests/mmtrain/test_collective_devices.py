@@ -91,3 +91,42 @@ def _moe():
     from mmtrain.models.moe.layer import MoE
 
     return MoE(8, MoEConfig(n_routed=4, expert_dim=8))
+
+
+def test_calls_are_numbered_per_thread_and_named_only_when_printed(fake_world):
+    import threading
+
+    from mmtrain.parallel import calls
+
+    fake_world(2)
+    calls.install()
+    dist.all_reduce(torch.ones(3))
+    mine = calls.recent()[-1]
+    assert not isinstance(mine.group, str) and not isinstance(mine.shape, str)  # nothing formatted yet
+    assert str(mine).startswith(f"all_reduce #{mine.n} on group world ((3,)) from ")
+    seen = []
+    writer = threading.Thread(target=lambda: (dist.barrier(), seen.extend(calls.recent())))
+    writer.start()  # as DCP's async writer: its own numbers, not the training thread's
+    writer.join()
+    assert [c.n for c in seen] == [1] and calls.recent()[-1] is mine
+    dist.all_reduce(torch.ones(3))
+    assert calls.recent()[-1].n == mine.n + 1
+
+
+def test_a_compiled_collective_is_not_a_graph_break(fake_world):
+    from torch._dynamo.utils import counters
+
+    from mmtrain.parallel import calls
+
+    fake_world(2)
+    calls.install()
+    counters.clear()
+
+    def f(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return y + 1
+
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(torch.ones(4))
+    assert out.shape == (4,) and not counters["graph_break"]
