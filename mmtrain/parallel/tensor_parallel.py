@@ -103,12 +103,14 @@ def _all_gather(x: Tensor, dim: int, comm: TPComm, kind: str) -> Tensor:
 
 
 def _sum_chunk(x: Tensor, dim: int, comm: TPComm, kind: str) -> Tensor:
-    """All-reduce then this rank's chunk: gloo has no reduce-scatter (the bytes counted are a
-    reduce-scatter's, what NCCL would send)."""
-    comm.count(kind, x.narrow(dim, 0, x.shape[dim] // comm.size))
-    x = x.clone(memory_format=torch.contiguous_format)  # one copy, contiguous for the collective
-    dist.all_reduce(x, group=comm.group)
-    return x.chunk(comm.size, dim)[comm.rank].contiguous()
+    """The group's sum, this rank's chunk of `dim`: a reduce-scatter (gloo runs the tensor form too),
+    each rank sending (P - 1) / P of `x`, half an all-reduce's bytes. `dim` is moved to the front
+    for the collective (it scatters along dim 0) and back."""
+    x_front = x.movedim(dim, 0).contiguous()
+    out = x_front.new_empty(x_front.shape[0] // comm.size, *x_front.shape[1:])
+    comm.count(kind, out)
+    dist.reduce_scatter_single(out, x_front, group=comm.group)
+    return out.movedim(0, dim).contiguous()
 
 
 class _Gather(torch.autograd.Function):
