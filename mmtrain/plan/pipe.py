@@ -17,8 +17,10 @@ micro-batch, by the plan's usual trace (one layer per kind, scaled). Stated, not
 - memory: the traced micro-batch's activations x the micro-batches in flight at the peak (GPipe:
   all `grad_accum`; 1F1B and the looped / V schedules: pp - stage for the rank's first stage,
   at most `grad_accum`);
-- per step: FLOPs, tp / ep / cp traffic and FSDP's all-gathers x `grad_accum` (FSDP reshards after
-  each micro-batch's forward), the reduce-scatters and optimizer once;
+- per step: FLOPs, every per-layer collective x `grad_accum`: all-to-alls, all-gathers (FSDP
+  reshards after each micro-batch's forward) and every collective on the tp / cp / seq groups
+  (the activations' all-gathers and reduce-scatters); FSDP's gradient reduce-scatters, HSDP's
+  all-reduce, the loop's norms and sums and the optimizer once;
 - send / recv: each micro-batch sends the residual stream (B x s x D, the rank's sequence chunk,
   bf16 under CUDA bf16 else fp32) and the (2,) auxiliary-loss tensor across every stage boundary
   this rank feeds, forward; its gradient the other way in backward;
@@ -33,7 +35,9 @@ import copy
 
 import torch
 
-PER_MB = ("all_to_all", "all_gather")  # collective kinds issued once per micro-batch
+PER_MB = ("all_to_all", "all_gather")  # collective kinds issued once per micro-batch, on any group
+PER_MB_GROUPS = {"tp", "cp", "seq"}  # groups whose every collective moves activations: per micro-batch
+GRAD_GROUPS = {"fsdp", "efsdp", "efsdp_tp", "dp_replicate"}  # ... unless FSDP's gradients share the group
 # flops.component_flops' decoder-layer components
 LAYER_FLOPS = ("full attention", "sparse attention", "dense ffn", "moe experts", "shared experts", "router")
 
@@ -68,6 +72,14 @@ def stage_config(cfg, info: dict):
     return out
 
 
+def _per_micro_batch(group: str, kind: str) -> bool:
+    """Whether the traced micro-batch's (group, kind) repeats in every micro-batch. A group that is
+    both tp's and FSDP's (e.g. "fsdp/tp/seq" when the data-parallel size is 1) mixes TP's per-layer
+    reduce-scatters with FSDP's once-a-step gradient one: counted once, an under-count stated here."""
+    roles = set(group.split("/"))
+    return kind in PER_MB or bool(roles & PER_MB_GROUPS and not roles & GRAD_GROUPS)
+
+
 def pipelined(trace, info: dict, cfg, dims, per_node: int):
     """The traced stage's Trace -> the rank's under the schedule (module docstring)."""
     out = copy.copy(trace)
@@ -77,7 +89,7 @@ def pipelined(trace, info: dict, cfg, dims, per_node: int):
         ({"lm head", "visual head"} if n - 1 not in info["stages"] else set()) | \
         (set(LAYER_FLOPS) if not info["layers"] else set())  # not on this rank's stages
     out.flops = {k: 0.0 if k in absent else v * m for k, v in trace.flops.items()}
-    out.comm = {k: [c * m, b * m] if k[1] in PER_MB else list(v) for k, v in trace.comm.items()
+    out.comm = {k: [c * m, b * m] if _per_micro_batch(*k) else list(v) for k, v in trace.comm.items()
                 for c, b in [v]}
     out.peak = dict(trace.peak)
     out.peak["activations"] = trace.peak.get("activations", 0) * info["in_flight"]

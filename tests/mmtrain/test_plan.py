@@ -178,6 +178,25 @@ def test_pipeline_stages_cover_the_layers_once():
         assert plan["pipeline"]["bubble"] == pytest.approx(1 / 3) and plan["mesh"]["pp"] == 2
 
 
+def test_pipelined_tp_collectives_count_every_micro_batch():
+    """TP(2) x PP(2): a split layer's all-gathers and reduce-scatters run in every micro-batch's
+    forward and backward, so 4 micro-batches move 4x the tp bytes of 1 (they were counted once for
+    the reduce-scatters: the m3 row's tp traffic 16x low); FSDP's gradient reduce-scatter stays once."""
+    sets = ["model.decoder.vocab_size=512", "data.batch_size=2", "model.decoder.n_kv_heads=2", "dist.tp=2",
+            "dist.pp=2"]
+    # 8 ranks: tp's group (2) is not FSDP's (4: fsdp includes tp), so their reduce-scatters part
+    one, four = (make_plan(TINY, 8, "h100", [*sets, f"train.grad_accum={m}"]) for m in (1, 4))
+
+    def by(plan, dim, kind):
+        return next(c["bytes"] for c in plan["comm"] if (c["dim"], c["kind"]) == (dim, kind))
+
+    for kind in ("all_gather", "reduce_scatter"):
+        assert by(one, "tp", kind) > 0
+        assert by(four, "tp", kind) == pytest.approx(4 * by(one, "tp", kind), rel=1e-9), kind
+    fsdp_rs = [c for c in four["comm"] if c["kind"] == "reduce_scatter" and c["dim"] != "tp"]
+    assert fsdp_rs and all(c["bytes"] == by(one, c["dim"], "reduce_scatter") for c in fsdp_rs)
+
+
 def test_vision_stage_plan_places_the_stages_as_the_trainer():
     """dist.pp_vision_stage at PP(2) x 1F1B: the plan's split is the trainer's (stage 0 no layer, stage
     1 every layer); stage 0's rank counts the encoder's FLOPs and no decoder layer's (the one layer it
