@@ -167,12 +167,17 @@ def run(args: list[str], nproc: int, env: dict, cwd: Path, timeout: float, merge
             for p in procs:
                 p.start()
             deadline = time.monotonic() + timeout
-            while any(p.exitcode is None for p in procs) and first_failure is None:
+            while first_failure is None:
+                # one look at who is left: a rank that ends between two looks must not leave an empty
+                # list to wait() on, which sleeps the whole timeout (seen: 180 s and 240 s "stalls")
+                live = [p.sentinel for p in procs if p.exitcode is None]
+                if not live:
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     _stop(procs, 0.0)
                     raise TimeoutError(_read(logs, 1)[-4000:])
-                wait([p.sentinel for p in procs if p.exitcode is None], timeout=left)
+                wait(live, timeout=left)
                 first_failure = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
         finally:
             _stop(procs, GRACE_S)
