@@ -175,8 +175,7 @@ def _tensors(args) -> tuple:
 
 def _shape(shapes: tuple) -> str:
     """The shapes of the tensor arguments (lists of tensors: the first one's, times their count)."""
-    out = [f"{s[0]} x {tuple(s[1])}" if isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], torch.Size)
-           else tuple(s) for s in shapes]
+    out = [tuple(s) if isinstance(s, torch.Size) else f"{s[0]} x {tuple(s[1])}" for s in shapes]
     return ", ".join(map(str, out)) or "-"
 
 

@@ -369,14 +369,20 @@ def gather_full_model(parts: list[StageModel], pp_group, model: MultimodalModel)
     return model
 
 
+def pp_grad_norm_of(grads: list[Tensor], group, device: torch.device) -> Tensor:
+    """The norm of `grads` over the pipeline group: a stage without any of them adds 0, on `device`
+    (a CPU tensor on an NCCL group raises: the first log step of a pipeline on GPUs)."""
+    sq = global_norm(grads, device).double().square()
+    dist.all_reduce(sq, group=group)
+    return sq.sqrt().float()
+
+
 def pp_grad_norm(parts: list[nn.Module], pp_group, max_norm: float) -> Tensor:
     """The gradient norm over every stage (squares summed over the pipeline group), gradients
     clipped to `max_norm` (0: no clip); the same 0-dim tensor on every rank of the pipeline."""
     grads = [p.grad for m in parts for p in m.parameters() if p.grad is not None]
     device = next(p.device for m in parts for p in m.parameters())  # a stage holds parameters
-    sq = global_norm(grads, device).double().square()  # 0 where no gradient: NCCL takes no CPU tensor
-    dist.all_reduce(sq, group=pp_group)
-    norm = sq.sqrt().float()
+    norm = pp_grad_norm_of(grads, pp_group, device)
     if max_norm:  # per mesh: DTensors on different meshes (dense, experts) cannot meet in one op
         params = [p for m in parts for p in m.parameters() if p.grad is not None]
         for group in _by_mesh(params, lambda p: p.grad).values():

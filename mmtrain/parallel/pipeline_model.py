@@ -41,6 +41,7 @@ from mmtrain.parallel.pipeline import (
     compile_stages,
     gather_full_model,
     pp_grad_norm,
+    pp_grad_norm_of,
 )
 from mmtrain.parallel.stage_timing import measured_costs
 from mmtrain.parallel.tensor_parallel import apply_tp_layers, check_tp
@@ -161,18 +162,6 @@ class _Unsharded:
     def state_dict(self) -> dict:
         state = self.part.state_dict()
         return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-
-
-def pp_grad_norm_of(grads: list[Tensor], group, device: torch.device) -> Tensor:
-    """The norm of `grads` over the pipeline group: a stage without any of them adds 0, on `device`
-    (a CPU tensor on an NCCL group raises: the first log step of a pipeline on GPUs)."""
-    import torch.distributed as dist
-
-    from mmtrain.parallel.parallelize import global_norm
-
-    sq = global_norm(grads, device).double().square()
-    dist.all_reduce(sq, group=group)
-    return sq.sqrt().float()
 
 
 def _shard_stage(part: StageModel, cfg, dims: ParallelDims, device: torch.device, traffic) -> None:
