@@ -57,20 +57,13 @@ def _context() -> mp.context.ForkServerContext:
 
 
 def _start() -> mp.context.ForkServerContext:
+    from multiprocessing import forkserver
+    from unittest import mock
+
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    saved = {k: os.environ.get(k) for k in IMPORT_TIME_ENV}
-    os.environ.update(IMPORT_TIME_ENV)
-    try:
-        from multiprocessing import forkserver
-
+    with mock.patch.dict(os.environ, IMPORT_TIME_ENV):  # the forkserver inherits os.environ
         forkserver.ensure_running()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return ctx
 
 

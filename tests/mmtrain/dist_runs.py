@@ -7,6 +7,7 @@ writes the full model and optimizer state.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -120,18 +121,28 @@ def _note(entry: Path, hit: bool) -> None:
         f.write(json.dumps({"entry": entry.name, "hit": hit}) + "\n")
 
 
+def _shared(entry: Path | None, produce, result: Path, copy) -> None:
+    """`produce()` writes `result`; with a cache entry the first call stores a copy and later calls
+    copy it back instead of producing it."""
+    if entry is not None and entry.exists():
+        copy(entry, result)
+        _note(entry, True)
+        return
+    produce()
+    if entry is not None:
+        copy(result, entry)
+        _note(entry, False)
+
+
+def _copy_dir(src: Path, dst: Path) -> None:
+    shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+
+
 def parity_reference(config: Path, out: Path, steps: int = 10) -> dict:
     """The parity worker's one-process run of `config` (written to `out`, and returned): run once a
     session per distinct run (reference_key), copied to every later test that asks for it."""
-    entry = _cache(config, f"parity{steps}", 1)
-    if entry is not None and entry.exists():
-        shutil.copyfile(entry, out)
-        _note(entry, True)
-    else:
-        launch([str(HERE), "parity", str(config), str(out), str(steps)])
-        if entry is not None:
-            shutil.copyfile(out, entry)
-            _note(entry, False)
+    _shared(_cache(config, f"parity{steps}", 1),
+            lambda: launch([str(HERE), "parity", str(config), str(out), str(steps)]), out, shutil.copyfile)
     return json.loads(out.read_text())
 
 
@@ -139,16 +150,37 @@ def reference_run(config: Path, nproc: int = 1) -> Path:
     """An uninterrupted `train(config, nproc)` into the config's run_dir, run once a session per
     distinct run and copied (metrics, logs, summary, checkpoints) for every later test asking for it."""
     run_dir = Path(yaml.safe_load(config.read_text())["run_dir"])
-    entry = _cache(config, f"train{STEPS}", nproc)
-    if entry is not None and entry.exists():
-        shutil.copytree(entry, run_dir, symlinks=True, dirs_exist_ok=True)
-        _note(entry, True)
-    else:
-        train(config, nproc)
-        if entry is not None:
-            shutil.copytree(run_dir, entry, symlinks=True)
-            _note(entry, False)
+    _shared(_cache(config, f"train{STEPS}", nproc), lambda: train(config, nproc), run_dir, _copy_dir)
     return run_dir
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int, rank: int = 0):
+    """torch's fake process group as rank `rank` of `world` in this process (collectives answer
+    nothing; tensors are real), torn down on exit. world 1: no process group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if world > 1:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def state_bytes(modules, experts: bool | None = None) -> int:
+    """Unique storages' bytes of the modules' parameters and buffers (a DTensor's local shard); with
+    `experts`, only the routed experts' (True) or all but theirs (False)."""
+    seen = {}
+    for m in modules:
+        for name, t in [*m.named_parameters(), *m.named_buffers()]:
+            if experts is not None and (".experts." in name) != experts:
+                continue
+            local = t.to_local() if hasattr(t, "to_local") else t
+            seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 def step_records(run_dir: Path) -> dict[int, dict]:

@@ -6,6 +6,8 @@ compute dtype. What no CPU test can show: NCCL's own behaviour on a wrong byte c
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,18 +16,15 @@ from torch import nn
 
 @pytest.fixture
 def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    """fake_world(N): this test's process as rank 0 of a fake world of N, torn down after it."""
+    from dist_runs import fake_process_group
 
-    def start(world: int):
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    yield start
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    with contextlib.ExitStack() as stack:
+        yield lambda world: stack.enter_context(fake_process_group(world))
 
 
 def test_a_stage_without_gradients_adds_a_zero_on_the_runs_device(fake_world):
-    from mmtrain.parallel.pipeline import pp_grad_norm
-    from mmtrain.parallel.pipeline_model import pp_grad_norm_of
+    from mmtrain.parallel.pipeline import pp_grad_norm, pp_grad_norm_of
 
     fake_world(2)
     meta = torch.device("meta")

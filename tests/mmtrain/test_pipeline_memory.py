@@ -11,24 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 SETS = ["loss.visual_next.weight=0", "model.visual_head=false", "model.decoder.vocab_size=512"]
 
 
-def _bytes(modules) -> int:
-    """Unique storages' bytes of the modules' parameters and buffers (a DTensor's local shard)."""
-    seen = {}
-    for m in modules:
-        for t in [*m.parameters(), *m.buffers()]:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
 def _ranks(pp: int):
     """(one process's bytes, [(stage bytes, everything the rank's PipelineModel holds) per rank])."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from dist_runs import fake_process_group, state_bytes
 
     from mmtrain.config import load_config
     from mmtrain.models.multimodal import MultimodalModel
@@ -38,16 +27,13 @@ def _ranks(pp: int):
     from mmtrain.run_config import RunConfig
 
     cfg = load_config(RunConfig, "configs/tiny.yaml", [f"dist.pp={pp}", f"train.grad_accum={pp}", *SETS])
-    one = _bytes([MultimodalModel(cfg.model)])
+    one = state_bytes([MultimodalModel(cfg.model)])
     out = []
     for rank in range(pp):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
-        try:
+        with fake_process_group(pp, rank):
             dims = ParallelDims.from_config(cfg.dist, pp, rank)
             pm = PipelineModel(cfg, DistEnv(rank, pp, rank, pp), torch.device("cpu"), dims)
-            out.append((_bytes(pm.parts), _bytes([pm.full, *pm.parts])))
-        finally:
-            dist.destroy_process_group()
+            out.append((state_bytes(pm.parts), state_bytes([pm.full, *pm.parts])))
     return one, out
 
 

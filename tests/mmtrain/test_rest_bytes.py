@@ -8,23 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 SETS = ["model.decoder.vocab_size=512", "model.decoder.n_kv_heads=4"]
 
 
-def _bytes(model, experts: bool | None = None) -> int:
-    seen = {}
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if experts is not None and (".experts." in name) != experts:
-            continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
 def _rank0(n: int, sets: list[str]):
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from dist_runs import fake_process_group, state_bytes
 
     from mmtrain.config import load_config
     from mmtrain.parallel.distributed import DistEnv
@@ -32,14 +21,9 @@ def _rank0(n: int, sets: list[str]):
     from mmtrain.run_config import RunConfig
 
     cfg = load_config(RunConfig, "configs/tiny.yaml", [*SETS, *sets])
-    if n > 1:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-    try:
+    with fake_process_group(n):
         model, _ = build_model(cfg, DistEnv(0, n, 0, n), torch.device("cpu"))
-        return _bytes(model), _bytes(model, experts=True)
-    finally:
-        if n > 1:
-            dist.destroy_process_group()
+        return state_bytes([model]), state_bytes([model], experts=True)
 
 
 @pytest.mark.parametrize("dim", ["fsdp", "ep", "tp"])
