@@ -1,6 +1,11 @@
 """The attention layer shared by the vision encoder and the decoder: projections, QK-norm,
 rotary, GQA; the attention itself is `models.attention.attend` (one semantics, many backends).
 
+The fused projection `wqkv` stores its rows grouped by KV head: for each group g its r = H / K
+query heads, then k head g, then v head g (each E rows). A contiguous block of rows is then whole
+GQA groups, so tensor parallelism's Shard(0) of the weight gives a rank whole groups
+(mmtrain/parallel/tensor_parallel.py); `qkv_order` maps it to the [q | k | v] order HF uses.
+
 Legend: B batch rows, S tokens, D model dim, H query heads, K kv heads, E head dim,
 F rotary pairs (E / 2).
 """
@@ -49,8 +54,10 @@ class SelfAttention(nn.Module):
         """q (B, H, S, E), k and v (B, K, S, E): QK-norm and rotary applied (what a KV cache keeps)."""
         B, S, _ = x_BSD.shape
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x_BSD).view(B, S, H + 2 * K, E).transpose(1, 2)  # (B, H + 2K, S, E)
-        q_BHSE, k_BKSE, v_BKSE = qkv.split([H, K, K], dim=1)
+        qkv_BSKRE = self.wqkv(x_BSD).view(B, S, K, H // K + 2, E)  # per group: r q heads, k, v
+        q_BSKrE, k_BSKE, v_BSKE = qkv_BSKRE.split([H // K, 1, 1], dim=3)
+        q_BHSE = q_BSKrE.reshape(B, S, H, E).transpose(1, 2)
+        k_BKSE, v_BKSE = (t.squeeze(3).transpose(1, 2) for t in (k_BSKE, v_BSKE))
         if self.q_norm is not None:
             q_BHSE, k_BKSE = self.q_norm(q_BHSE), self.k_norm(k_BKSE)
         q_BHSE = apply_rotary(q_BHSE, cos_B1SF, sin_B1SF)
@@ -68,3 +75,13 @@ class SelfAttention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
+
+
+def qkv_order(n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
+    """Row indices that turn the grouped `wqkv` into rows [q | k | v] (heads in order inside each):
+    `w_grouped[qkv_order(...)]`; `argsort` of it goes back."""
+    H, K, E = n_heads, n_kv_heads, head_dim
+    r = H // K
+    slot_GR = torch.arange(K * (r + 2)).view(K, r + 2)  # the grouped layout's head slots
+    heads = torch.cat([slot_GR[:, :r].reshape(-1), slot_GR[:, r], slot_GR[:, r + 1]])
+    return (heads[:, None] * E + torch.arange(E)).reshape(-1)

@@ -1,12 +1,15 @@
 """mmtrain state dict <-> the HF classes' names and layouts (not copied into exports; torch only).
 
 Every tensor is a slice, transpose or copy of one mmtrain tensor, so the round trip is exact:
-  decoder.layers.N.attn.wqkv (rows q | k | v)    -> model.language_model.layers.N.self_attn.{q,k,v}_proj
-  decoder.layers.N.ffn.w_in (rows gate | up)     -> mlp.{gate,up}_proj (dense layers and shared experts)
+  decoder.layers.N.attn.wqkv (rows per KV group) -> model.language_model.layers.N.self_attn.{q,k,v}_proj
+  decoder.layers.N.ffn.w_in (rows gate, up a unit) -> mlp.{gate,up}_proj (dense layers, shared experts)
   ffn experts w_in_EDF2 (E, D, 2F: gate | up)     -> mlp.experts.E.{gate,up}_proj.weight (F, D): transposed
   ffn experts w_out_EFD (E, F, D)                 -> mlp.experts.E.down_proj.weight (D, F): transposed
   ffn router weight / expert bias (fp32)          -> mlp.gate.weight / mlp.gate.e_score_correction_bias
-  vision.blocks.N.attn.wqkv                       -> model.visual.blocks.N.attn.qkv (fused, as Qwen2-VL's)
+  vision.blocks.N.attn.wqkv (rows per head)      -> model.visual.blocks.N.attn.qkv (rows q | k | v, as
+                                                     Qwen2-VL's)
+(mmtrain's fused rows are grouped so that a contiguous block is whole heads / units: models/self_attention.py,
+models/ffn.py; `_to_blocks` reorders them into HF's row blocks and `_from_blocks` back.)
   vision.projector.w_{in,out}, vision.out_norm    -> model.visual.merger.mlp.fc{1,2}, merger.out_norm
 The MoE's names changed when it was split into router / experts modules (`ffn.expert_bias_E` ->
 `ffn.router.expert_bias_E`, `ffn.w_in_EDF2` -> `ffn.experts.w_in_EDF2`): the patterns below read
@@ -23,6 +26,8 @@ import re
 from collections.abc import Iterable
 
 import torch
+
+from mmtrain.models.self_attention import qkv_order
 
 Tensor = torch.Tensor
 OUT_NORM = "vision.out_norm.weight"
@@ -60,13 +65,13 @@ _SIMPLE = [  # (mmtrain pattern, HF pattern): renamed, same tensor
     (r"vision\.out_norm\.weight", "model.visual.merger.out_norm.weight"),  # vision.out_norm: true only
     (r"vision\.blocks\.(\d+)\.attn_norm\.weight", r"model.visual.blocks.\1.norm1.weight"),
     (r"vision\.blocks\.(\d+)\.mlp_norm\.weight", r"model.visual.blocks.\1.norm2.weight"),
-    (r"vision\.blocks\.(\d+)\.attn\.wqkv\.weight", r"model.visual.blocks.\1.attn.qkv.weight"),
     (r"vision\.blocks\.(\d+)\.attn\.wo\.weight", r"model.visual.blocks.\1.attn.proj.weight"),
     (r"vision\.blocks\.(\d+)\.attn\.(q|k)_norm\.weight", r"model.visual.blocks.\1.attn.\2_norm.weight"),
     (r"vision\.blocks\.(\d+)\.mlp\.w_in\.weight", r"model.visual.blocks.\1.mlp.fc1.weight"),
     (r"vision\.blocks\.(\d+)\.mlp\.w_out\.weight", r"model.visual.blocks.\1.mlp.fc2.weight"),
 ]
-_SPLIT = [  # (mmtrain pattern, HF prefix, part names): row blocks of one tensor
+_SPLIT = [  # (mmtrain pattern, HF prefix, part names): row blocks of one tensor ("f": one fused block)
+    (r"vision\.blocks\.(\d+)\.attn\.wqkv\.weight", r"model.visual.blocks.\1.attn.", "f"),
     (r"decoder\.layers\.(\d+)\.attn\.wqkv\.weight", r"model.language_model.layers.\1.self_attn.", "qkv"),
     (r"decoder\.layers\.(\d+)\.ffn\.w_in\.weight", r"model.language_model.layers.\1.mlp.", "gu"),
     (
@@ -76,7 +81,7 @@ _SPLIT = [  # (mmtrain pattern, HF prefix, part names): row blocks of one tensor
     ),
 ]
 _EXPERTS = r"decoder\.layers\.(\d+)\.ffn\.(?:experts\.)?(w_in_EDF2|w_out_EFD)"
-_PART = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "g": "gate_proj", "u": "up_proj"}
+_PART = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "g": "gate_proj", "u": "up_proj", "f": "qkv"}
 
 
 def to_hf(state: dict[str, Tensor], hfc: dict) -> dict[str, Tensor]:
@@ -90,6 +95,7 @@ def to_hf(state: dict[str, Tensor], hfc: dict) -> dict[str, Tensor]:
         if kind == "same":
             out[targets[0]] = t
         elif kind == "rows":
+            t = _to_blocks(name, t, hfc)
             sizes = _rows(hfc, len(targets), t.shape[0])
             out.update(zip(targets, t.split(sizes)))
         elif name.endswith("w_out_EFD"):
@@ -114,7 +120,7 @@ def from_hf(hf: dict[str, Tensor], hfc: dict, names: Iterable[str]) -> dict[str,
         if kind == "same":
             out[name] = parts[0]
         elif kind == "rows":
-            out[name] = torch.cat(parts)
+            out[name] = _from_blocks(name, torch.cat(parts), hfc)
         elif name.endswith("w_out_EFD"):
             out[name] = torch.stack([w.t() for w in parts])
         else:
@@ -123,7 +129,33 @@ def from_hf(hf: dict[str, Tensor], hfc: dict, names: Iterable[str]) -> dict[str,
     return out
 
 
+def _heads(name: str, hfc: dict) -> tuple[int, int, int]:
+    """(H, K, head dim) of the attention a fused wqkv belongs to."""
+    if name.startswith("vision."):
+        v = hfc["vision"]
+        return v["num_heads"], v["num_heads"], v["hidden_size"] // v["num_heads"]
+    H = hfc["num_attention_heads"]
+    return H, hfc["num_key_value_heads"], hfc["hidden_size"] // H
+
+
+def _order(name: str, hfc: dict, rows: int) -> Tensor:
+    """Row indices taking mmtrain's grouped rows to HF's blocks: [q | k | v] or [gate | up]."""
+    if name.endswith("attn.wqkv.weight"):
+        return qkv_order(*_heads(name, hfc))
+    return torch.arange(rows).view(-1, 2).t().reshape(-1)  # gate, up per unit -> gate | up
+
+
+def _to_blocks(name: str, t: Tensor, hfc: dict) -> Tensor:
+    return t[_order(name, hfc, t.shape[0]).to(t.device)]
+
+
+def _from_blocks(name: str, t: Tensor, hfc: dict) -> Tensor:
+    return t[_order(name, hfc, t.shape[0]).argsort().to(t.device)]
+
+
 def _rows(hfc: dict, n_parts: int, total: int) -> list[int]:
+    if n_parts == 1:  # one fused block (the vision blocks' qkv)
+        return [total]
     if n_parts == 2:  # gate | up
         return [total // 2, total // 2]
     E = hfc["hidden_size"] // hfc["num_attention_heads"]

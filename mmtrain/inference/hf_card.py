@@ -67,10 +67,10 @@ def model_card(hfc: dict, tensors: dict, src, figures: dict | None) -> str:
         "",
         "## Weight spec",
         "",
-        "- Linear weights are (out, in). `self_attn.{q,k,v}_proj` are the row blocks of mmtrain's "
-        "fused `wqkv`; "
-        "`mlp.{gate,up}_proj` the halves of its fused `w_in`; expert E's `gate_proj`/`up_proj` are "
-        "the transposed "
+        "- Linear weights are (out, in). `self_attn.{q,k,v}_proj` are the q, k and v rows of mmtrain's "
+        "fused `wqkv` (stored grouped by KV head); "
+        "`mlp.{gate,up}_proj` the even and odd rows of its fused `w_in`; "
+        "expert E's `gate_proj`/`up_proj` are the transposed "
         "halves of `w_in_EDF2[E]` (D, 2F) and `down_proj` the transposed `w_out_EFD[E]`; the vision "
         "blocks keep a "
         "fused `attn.qkv` (rows q | k | v, heads inside each)"
