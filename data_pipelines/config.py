@@ -147,6 +147,10 @@ class DataConfig:
     shard_retries: int = 3  # extra tries of a failing pipe:/remote shard (resuming after its last sample)
     retry_backoff_s: float = 1.0  # wait before retry i: retry_backoff_s * 2**(i-1)
     stall_timeout_s: float = 300.0  # a pipe:/remote shard sending nothing this long has failed
+    open_timeout_s: float = 60.0  # a shard not opened within this long (a hung mount): counted, skipped
+    # fewer shards than ranks x workers: "split" = every reader reads every shard and keeps its
+    # share of the samples (said once, with both numbers); "error" = refuse, naming both numbers
+    shard_shortage: str = "split"
     allow_changed_shards: bool = False  # resume with another shard list or mixture: warn instead of error
     seed: int = 0
     media: MediaConfig = field(default_factory=MediaConfig)
@@ -158,7 +162,8 @@ class DataConfig:
               "max_media_per_doc", "shuffle_buffer_bytes", ge=1)
         check(self, "retry_backoff_s", "num_workers", "shuffle_buffer", "min_samples_for_failure_rate",
               "shard_retries", "max_media_per_row", "max_visual_tokens_per_row", ge=0)
-        check(self, "stall_timeout_s", gt=0)
+        check(self, "stall_timeout_s", "open_timeout_s", gt=0)
+        check(self, "shard_shortage", choices=("split", "error"))
         if 0 < self.max_media_per_row < self.max_media_per_doc:  # else such a document fits no row
             raise ValueError(f"max_media_per_row: {self.max_media_per_row} < max_media_per_doc "
                              f"{self.max_media_per_doc} (lower max_media_per_doc to it)")

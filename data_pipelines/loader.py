@@ -296,7 +296,8 @@ class Loader:
 
 
 def read_options(cfg: DataConfig) -> ReadOptions:
-    return ReadOptions(cfg.max_member_bytes, cfg.shard_retries, cfg.retry_backoff_s, cfg.stall_timeout_s)
+    return ReadOptions(cfg.max_member_bytes, cfg.shard_retries, cfg.retry_backoff_s, cfg.stall_timeout_s,
+                       cfg.open_timeout_s)
 
 
 def fingerprint(cfg: DataConfig, sources: list[_Source]) -> dict:
@@ -374,4 +375,22 @@ def build_loader(cfg: DataConfig, tokenizer: Tokenizer, split: Literal["train", 
     if not configs:
         raise DataError(f"data.{split}: no sources configured")
     sources = [_Source(s.name, expand_shards(s.shards, s.name), s.weight) for s in configs]
+    if not (split == "train" and cfg.resample):  # resampling draws shards: any count serves every reader
+        for src in sources:
+            check_shard_count(src, world_size, max(1, cfg.num_workers), cfg.shard_shortage, split)
     return Loader(cfg, tokenizer, split, rank, world_size, sources)
+
+
+def check_shard_count(src: _Source, world_size: int, num_workers: int, shortage: str, split: str) -> None:
+    """Fewer shards than readers (ranks x workers) would leave readers empty, and a rank with
+    nothing hangs its peers in their next collective: refuse, or split by sample and say so."""
+    readers = world_size * num_workers
+    if len(src.urls) >= readers:
+        return
+    what = (f"data.{split} source {src.name!r}: {len(src.urls)} shard(s) < ranks x workers = "
+            f"{world_size} x {num_workers} = {readers}")
+    if shortage == "error":
+        raise DataError(f"{what}; write at least {readers} shards, lower data.num_workers, or set "
+                        "data.shard_shortage: split")
+    warnings.warn(f"{what}: every reader reads all {len(src.urls)} and keeps 1 sample in {readers} "
+                  "(data.shard_shortage: error refuses)", stacklevel=3)

@@ -16,6 +16,7 @@ import shlex
 import signal
 import subprocess
 import tempfile
+import threading
 
 DRAIN_LIMIT = 1 << 20  # bytes after the end of the archive we still read to see the exit status
 
@@ -25,18 +26,45 @@ def is_remote(url: str) -> bool:
     return url.startswith("pipe:") or ("://" in url and not url.startswith("file://"))
 
 
-def open_url(url: str, stall_timeout_s: float):
+def open_url(url: str, stall_timeout_s: float, open_timeout_s: float = 60.0):
     if url.startswith("pipe:"):
         return PipeStream(url[5:], stall_timeout_s)
     if url.startswith(("http://", "https://")):
         return PipeStream(f"curl -sSL --fail {shlex.quote(url)}", stall_timeout_s)
-    if url.startswith("file://"):
-        return open(url[7:], "rb")
-    if "://" in url:  # other schemes (s3, gs...): webdataset's handlers; failures raise from read
+    if "://" in url and not url.startswith("file://"):  # s3, gs...: webdataset's handlers
         from webdataset.gopen import gopen
 
         return gopen(url, "rb")
-    return open(url, "rb")
+    return open_within(url.removeprefix("file://"), open_timeout_s)
+
+
+def open_within(path: str, timeout_s: float):
+    """open(path, "rb") that gives up after timeout_s (a hung network mount, a FIFO nobody
+    writes): the open goes on in a daemon thread, which closes the file if it ever arrives."""
+    box: dict = {}
+    lock, done = threading.Lock(), threading.Event()
+
+    def run() -> None:
+        try:
+            f = open(path, "rb")  # noqa: SIM115 (handed to the caller, or closed below)
+        except OSError as e:
+            box["error"] = e
+            f = None
+        with lock:
+            if box.get("abandoned") and f is not None:
+                f.close()
+            box["file"] = f
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name=f"open {path}").start()
+    if not done.wait(timeout_s):
+        with lock:
+            if "file" not in box:
+                box["abandoned"] = True
+                raise OSError(f"not opened within open_timeout_s {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["file"]
 
 
 class PipeStream:

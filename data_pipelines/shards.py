@@ -158,6 +158,7 @@ class ReadOptions:
     retries: int = 3  # extra tries of a `pipe:`/remote shard that fails (resuming after the last sample)
     backoff_s: float = 1.0  # wait before retry i: backoff_s * 2**(i-1)
     stall_timeout_s: float = 300.0  # a command that sends nothing for this long has failed
+    open_timeout_s: float = 60.0  # a file not opened within this long (a hung mount, a FIFO) has failed
 
 
 class _Info(tarfile.TarInfo):
@@ -225,7 +226,7 @@ def iter_shard(
 
 def _attempt(url, start, keep, stop, opts: ReadOptions, out: _Outcome) -> Iterator[RawSample]:
     try:
-        stream = open_url(url, opts.stall_timeout_s)
+        stream = open_url(url, opts.stall_timeout_s, opts.open_timeout_s)
     except OSError as e:
         out.error = f"{type(e).__name__}: {e}"
         return
