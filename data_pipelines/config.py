@@ -135,6 +135,10 @@ class DataConfig:
     max_visual_tokens_per_row: int = 0
     num_workers: int = 2  # loader processes per rank; 0 = in the main process
     prefetch_factor: int = 2  # batches each worker keeps ready
+    # ... and at most this many bytes of ready batches per rank (0: no byte bound): each worker
+    # starts its next batch only while its share (prefetch_bytes / num_workers) is not used up, so
+    # a slow GPU step cannot make the loader fill host RAM (a `small` batch is ~0.3 GB of patches)
+    prefetch_bytes: int = 4 << 30
     shuffle_buffer: int = 256  # train samples per source kept for shuffling (0: stream order)
     shuffle_buffer_bytes: int = 128 << 20  # ... and at most this many raw bytes (per source and worker)
     resample: bool = False  # train: draw shards with replacement forever (else epochs of split shards)
@@ -161,7 +165,7 @@ class DataConfig:
         check(self, "batch_size", "prefetch_factor", "pack_lookahead", "max_member_bytes", "max_text_bytes",
               "max_media_per_doc", "shuffle_buffer_bytes", ge=1)
         check(self, "retry_backoff_s", "num_workers", "shuffle_buffer", "min_samples_for_failure_rate",
-              "shard_retries", "max_media_per_row", "max_visual_tokens_per_row", ge=0)
+              "shard_retries", "max_media_per_row", "max_visual_tokens_per_row", "prefetch_bytes", ge=0)
         check(self, "stall_timeout_s", "open_timeout_s", gt=0)
         check(self, "shard_shortage", choices=("split", "error"))
         if 0 < self.max_media_per_row < self.max_media_per_doc:  # else such a document fits no row

@@ -27,6 +27,7 @@ from mmtrain.data_pipelines.errors import DataError
 from mmtrain.data_pipelines.ledger import Ledger
 from mmtrain.data_pipelines.mixing import Mixer
 from mmtrain.data_pipelines.packing import Packer, assemble
+from mmtrain.data_pipelines.prefetch import ByteBudget
 from mmtrain.data_pipelines.rng import CounterRng, hash64
 from mmtrain.data_pipelines.shards import ReadOptions, ShardPlan, expand_shards
 from mmtrain.data_pipelines.stream import SourceStream, fetch
@@ -48,9 +49,10 @@ class _Wire:
 
     buf: torch.Tensor
     specs: list
+    slot: int = -1  # the DataLoader worker that sent it (whose prefetch share it uses)
 
 
-def to_wire(batch: PackedBatch) -> _Wire:
+def to_wire(batch: PackedBatch, slot: int = -1) -> _Wire:
     """All tensors of a batch in ONE shared-memory buffer: a worker then sends one segment per
     batch instead of eleven (torch shares each tensor separately, and that dominated IPC)."""
     specs, total = [], 0
@@ -63,7 +65,7 @@ def to_wire(batch: PackedBatch) -> _Wire:
     flat = buf.numpy()
     for (name, _, _, offset, nbytes) in specs:
         flat[offset : offset + nbytes] = getattr(batch, name).numpy().reshape(-1).view(np.uint8)
-    return _Wire(buf, specs)
+    return _Wire(buf, specs, slot)
 
 
 def from_wire(w: _Wire) -> PackedBatch:
@@ -168,6 +170,7 @@ class Loader:
         self.sources = sources
         self.num_workers = cfg.num_workers
         self.ledger = Ledger()
+        self._budget: ByteBudget | None = None  # the current iteration's, with workers
         self._reset()
 
     def _reset(self, start: list | None = None) -> None:
@@ -184,14 +187,27 @@ class Loader:
                                logical, max(1, self.num_workers), self._start)
             if state is not None:
                 p.load_state_dict(state)
-            for batch, st, delta in p:
-                yield (to_wire(batch) if self.num_workers > 0 else batch), st, delta
+            yield from (p if self.num_workers == 0 else self._sent(p))
         except DataError as e:
             yield _Failure(str(e))
+
+    def _sent(self, p: WorkerPipeline):
+        """In a worker process: batches as wires, each begun only while this worker's prefetch
+        share has room (data.prefetch_bytes, prefetch.py)."""
+        slot, budget, items = get_worker_info().id, self._budget, iter(p)
+        while True:
+            budget.wait_for_room(slot)
+            if (item := next(items, None)) is None:
+                return
+            batch, st, delta = item
+            wire = to_wire(batch, slot)
+            budget.sent(slot, wire.buf.numel())
+            yield wire, st, delta
 
     def _items(self):
         if self.num_workers == 0:
             return self._pipeline(0, self._states[0])
+        self._budget = ByteBudget(self.cfg.prefetch_bytes, self.num_workers)  # before the workers fork
         ds = _WorkerDataset(self._pipeline, list(self._states), self._next)
         return iter(DataLoader(ds, batch_size=None, num_workers=self.num_workers,
                                prefetch_factor=self.cfg.prefetch_factor))
@@ -203,6 +219,13 @@ class Loader:
         # train: every rank takes one batch per micro-batch, so a failure is agreed on each batch
         sync = rank_sync() if self.split == "train" else None
         items = self._items()
+        try:
+            yield from self._batches(items, sync)
+        finally:
+            if self._budget is not None:
+                self._budget.close()  # a worker waiting for room must not hold up the shutdown
+
+    def _batches(self, items, sync):
         while True:
             try:
                 item = next(items)
@@ -219,11 +242,17 @@ class Loader:
                 raise DataError(failure)
             batch, state, delta = item
             if isinstance(batch, _Wire):
+                self._budget.taken(batch.slot, batch.buf.numel())
                 batch = from_wire(batch)
             self._states[state["worker"]] = state
             self._next = (state["worker"] + 1) % len(self._states)
             self.ledger.extend(delta)
             yield batch
+
+    @property
+    def prefetch_peak_bytes(self) -> int:
+        """The most bytes of batches the workers held ready at once in the latest iteration."""
+        return self._budget.peak_bytes if self._budget is not None else 0
 
     def set_weights(self, weights: dict[str, float]) -> bool:
         """New mixture weights for the named sources (the others keep theirs); -> whether any changed.
