@@ -34,8 +34,11 @@ def run(args: argparse.Namespace) -> int:
     plan = make_plan(args.config, args.gpus, args.gpu, args.overrides, rank=args.rank,
                      visual_frac=args.visual_frac, ep_imbalance=args.ep_imbalance, keep_rate=args.keep_rate,
                      exact=args.exact)
+    from mmtrain.plan.loader import loader_need
     from mmtrain.plan.report import text
 
+    step_s = plan["roofline"]["step_s_overlapped"]
+    plan["loader"] = loader_need(_config(args), step_s)  # in the CLI only: it reads the config's data
     print(json.dumps(plan, indent=1) if args.json else text(plan))
     return 0 if plan["memory"]["fits"] else NO_FIT
 
@@ -80,6 +83,13 @@ def make_plan(config: str, gpus: int, gpu_name: str, overrides=(), scaled: bool 
         plan["caveat"] = ("dist.tp with dist.pp > 1: planned from the TP and PP halves the plan traces; "
                           "the trainer runs it, tested at TP(2) x PP(2) (x FSDP(2) x EP(2)) on gloo")
     return plan
+
+
+def _config(args: argparse.Namespace):
+    from mmtrain.config import load_config
+    from mmtrain.run_config import RunConfig
+
+    return load_config(RunConfig, args.config, list(args.overrides))
 
 
 def _trace(cfg, opts, scaled: bool | None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from mmtrain.plan.flops import model_flops
 from mmtrain.plan.gpus import GPU, MARGIN_GIB
+from mmtrain.plan.loader import text as loader_text
 
 GIB = 2**30
 
@@ -98,6 +99,7 @@ def text(plan: dict) -> str:
                  f"{r['overlap_needed']:.0%}")
     lines += _pipeline(plan.get("pipeline") or {})
     lines += _vision(plan.get("vision") or {})
+    lines += loader_text(plan.get("loader") or {})
     return "\n".join(lines)
 
 
