@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import tarfile
 from pathlib import Path
 
@@ -175,3 +177,21 @@ def make_jsonl(root):
     path = root / "data.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
     return path, 4
+
+
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident set (VmRSS) or its peak (VmHWM), MB; 0 once it is gone."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def children() -> list[int]:
+    """This process's child processes (a loader's workers)."""
+    pids = []
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        with contextlib.suppress(OSError):
+            pids += [int(p) for p in (task / "children").read_text().split()]
+    return sorted(pids)

@@ -12,16 +12,14 @@ prints what it measured.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import yaml
-from dp_shards import data_cfg
+from dp_shards import children, data_cfg, rss_mb
 from fuzz_corpus import LIMITS, build
 
 from mmtrain.data_pipelines.config import MediaConfig
@@ -86,22 +84,6 @@ def test_inspect_reports_the_same(corpus, capsys):
     assert sorted(map(tuple, report["bad_examples"])) == sorted(corpus.bad)
 
 
-def _rss_mb(pid: int, field: str) -> float:
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _children() -> list[int]:
-    pids = []
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        with contextlib.suppress(OSError):
-            pids += [int(p) for p in (task / "children").read_text().split()]
-    return pids
-
-
 def test_training_loader_delivers_everything_within_a_memory_bound(corpus):
     cfg = _cfg("train", corpus.specs, shuffle_buffer=8, shuffle_buffer_bytes=2 << 20)
     loader = build_loader(cfg, TOK, "train")
@@ -109,12 +91,12 @@ def test_training_loader_delivers_everything_within_a_memory_bound(corpus):
     it = iter(loader)
     for n in range(500):  # noqa: B007 (printed below)
         labels.update(_labels(next(it)))
-        peak = max([peak] + [_rss_mb(pid, "VmHWM") for pid in _children()])
+        peak = max([peak] + [rss_mb(pid, "VmHWM") for pid in children()])
         if set(labels) >= set(corpus.good) and set(loader.ledger.entries) >= set(corpus.bad):
             break
     del it
     assert set(labels) == set(corpus.good)
     assert set(loader.ledger.entries) == set(corpus.bad)
     print(f"\n{n + 1} batches; worker peak RSS {peak:.0f} MB (bound {PEAK_RSS_BOUND_MB} MB; this process: "
-          f"{_rss_mb(os.getpid(), 'VmRSS'):.0f} MB)")
+          f"{rss_mb(os.getpid(), 'VmRSS'):.0f} MB)")
     assert 0 < peak < PEAK_RSS_BOUND_MB
