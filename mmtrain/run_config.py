@@ -2,8 +2,8 @@
 data_pipelines/config.py, the model's in models/, OptimConfig in mmtrain/optim.py, DistConfig in
 mmtrain/parallel/config.py, LossConfig in mmtrain/objectives/objective.py, ...); this composes them.
 
-What stays here is the loop's own section, `train` (TrainConfig and its FaultConfig): beside their
-code they would sit in mmtrain/loop/, the top of the trainer, which imports this module."""
+What stays here is the loop's own section, `train` (TrainConfig, its FaultConfig and HeartbeatConfig):
+beside their code they would sit in mmtrain/loop/, the top of the trainer, which imports this module."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from mmtrain.optim import OptimConfig
 from mmtrain.parallel.config import DistConfig
 from mmtrain.parallel.vision_balance import VisionBalanceConfig
 
+SLOW_PLACES = ("compile", "eval", "save", "step")  # train.faults.slow_at
+
 
 @dataclass
 class FaultConfig:
@@ -36,10 +38,45 @@ class FaultConfig:
     nan_at_step: int = 0  # the loss of this optimizer step (1-based) becomes NaN on `rank`
     kill_at_step: int = 0  # `rank` SIGKILLs itself after this step's update, before its eval/checkpoint
     kill_in_save_at_step: int = 0  # ... while the checkpoint of this step is half written
+    stop_at_step: int = 0  # `rank` SIGSTOPs itself after this step's update (a hung rank, alive)
+    slow_s: float = 0.0  # `rank` is slow but live this long at each place of `slow_at`
+    slow_at: list[str] = field(default_factory=list)  # "<where>@<step>", where: compile (in the first
+    # step, GIL held), eval, save (a synchronous save; GIL held), step (sleeping: GIL free)
     rank: int = 0  # the rank the faults hit (the others must notice: skip together, or exit)
 
     def __post_init__(self):
-        check(self, "nan_at_step", "kill_at_step", "kill_in_save_at_step", "rank", ge=0)
+        check(self, "nan_at_step", "kill_at_step", "kill_in_save_at_step", "stop_at_step", "rank", "slow_s",
+              ge=0)
+        for item in self.slow_at:
+            where, _, step = item.partition("@")
+            if where not in SLOW_PLACES or not step.isdigit():
+                raise ValueError(f"slow_at: each must be <where>@<step>, where one of "
+                                 f"{', '.join(SLOW_PLACES)} (got {item!r})")
+
+
+@dataclass
+class HeartbeatConfig:
+    """`train.heartbeat`: the watchdog that names a silent rank (mmtrain/loop/heartbeat.py), on
+    whenever there is more than one rank."""
+
+    enabled: bool = True
+    k: float = 3.0  # a peer in a step is silent after k x the median step time ...
+    floor_s: float = 10.0  # ... or this, whichever is longer
+    section_s: float = 600.0  # the bound inside a checkpoint save or load and an evaluation
+    startup_s: float = 600.0  # the bound before the first step is timed (build, first compile)
+    interval_s: float = 1.0  # how often the watchdog beats and reads its peers
+    watch: int = 8  # peers each rank reads (the next ones on a ring; the whole group if smaller)
+
+    def __post_init__(self):
+        check(self, "k", ge=1)
+        check(self, "floor_s", "section_s", "startup_s", "interval_s", gt=0)
+        check(self, "watch", ge=1)
+        if self.floor_s < 2 * self.interval_s:
+            raise ValueError(f"floor_s: must be >= 2 x interval_s (got {self.floor_s} < 2 x "
+                             f"{self.interval_s})")
+        if min(self.section_s, self.startup_s) < self.floor_s:
+            raise ValueError(f"section_s, startup_s: must be >= floor_s (got {self.section_s}, "
+                             f"{self.startup_s} < {self.floor_s})")
 
 
 @dataclass
@@ -60,6 +97,7 @@ class TrainConfig:
     time_limit_min: float = 0.0  # stop cleanly (final eval + checkpoint) after this long; 0: no limit
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: from the GPU name (H100/H200), else no MFU
     faults: FaultConfig = field(default_factory=FaultConfig)
+    heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
     stages: list[StageConfig] = field(default_factory=list)  # e.g. text first, media added later
 
     def __post_init__(self):

@@ -9,4 +9,5 @@ every subsystem). It is the top of the trainer: nothing else in mmtrain imports 
     perf.py     throughput, MFU and memory, and the Throughput callback
     logger.py   TensorBoard scalars, the progress line, log files, metrics.jsonl
     faults.py   fault injection (`train.faults`), the last callback
+    heartbeat.py  the watchdog that names a silent rank (`train.heartbeat`)
 """

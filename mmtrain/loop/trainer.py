@@ -42,6 +42,7 @@ from mmtrain.evaluation.captioning import CaptionEval
 from mmtrain.evaluation.diagnostics_callback import Diagnostics
 from mmtrain.evaluation.dist_eval import evaluate_ranks
 from mmtrain.evaluation.evaluate import EvalResult
+from mmtrain.loop import heartbeat
 from mmtrain.loop.eta import Eta, format_eta
 from mmtrain.loop.faults import FaultInjection, faults_configured
 from mmtrain.loop.logger import RunLogger
@@ -74,6 +75,8 @@ class Trainer:
                  callbacks: Sequence[Callback] = ()):
         self.cfg = cfg
         self.env = env or current_env()
+        # a silent peer is named in seconds (mmtrain/loop/heartbeat.py); sections: load, eval, checkpoint
+        self.heartbeat = heartbeat.start(cfg.train.heartbeat, self.env.rank, self.env.world_size)
         self.run_dir = prepare_run_dir(cfg.run_dir)
         self.device = pick_device(cfg.train.device, self.env)
         _set_threads(cfg.train.threads, self.env)
@@ -111,7 +114,8 @@ class Trainer:
         self.log: RunLogger | None = None  # open during fit()
         self._t_launch = time.monotonic()
         self.resume_note: str | None = None
-        self.resumed_from = self._resume()
+        with self.heartbeat.in_section("load"):
+            self.resumed_from = self._resume()
 
     @property
     def step(self) -> int:
@@ -234,10 +238,13 @@ class Trainer:
             self._timed_diagnostics("on_train_start")
             while self.step < cfg.steps:
                 t_step = time.monotonic()
+                self.heartbeat.step_begin(self.step + 1)
                 stats = self.train_step(self._batches())
                 self._log_step(stats)
                 events = self._timed_diagnostics("on_step_end", stats)
-                self._acknowledge(self.checkpointer.poll())  # a background save, once all ranks wrote it
+                self.heartbeat.step_end()
+                with self.heartbeat.in_section("checkpoint"):  # a background save, once all ranks wrote it
+                    self._acknowledge(self.checkpointer.poll())
                 if self.is_log_step(stats):
                     self._log_callback_scalars(stats)
                 if stats.time_up:
@@ -250,13 +257,15 @@ class Trainer:
                 self.eta.step_done(time.monotonic() - t_step - events)
             return self._finish()
         finally:
+            self.heartbeat.stop()
             self.log.close()
             self.log = None
 
     def _timed(self, kind: str, fn) -> tuple[Any, float]:
         """Run a scheduled event (evaluation, checkpoint), timing it for the ETA; -> (its result, seconds)."""
         t0 = time.monotonic()
-        out = fn()
+        with self.heartbeat.in_section(kind):  # its own bound: a slow eval or save is live
+            out = fn()
         seconds = time.monotonic() - t0
         self.eta.event_done(kind, seconds)
         return out, seconds
@@ -369,7 +378,7 @@ class Trainer:
         """Per-task val loss with real, blanked and swapped media; callbacks add to the record (on_eval)."""
         self.refresh_replica()
         result = evaluate_ranks(self.model, self.val_batches(), self.device, self.env, pad=self.pad_batch,
-                                autocast=self.autocast)
+                                autocast=self.autocast, evaluates=self.train_module.evaluates)
         self.log.scalars(self.step, result.scalars())
         parts = [f"{t} {v:.3f}" for t, v in result.loss.items()]
         reads = [f"{t} {v:+.3f}" for t, v in result.mismatch_gap.items()]
