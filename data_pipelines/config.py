@@ -39,11 +39,15 @@ class MediaConfig:
     # a small corpus read for several epochs decodes each clip once (0: off; video decoding is most
     # of a loader's CPU, which on a 2-core machine is the step's: docs/BENCHMARKS.md)
     video_cache_mb: int = 0
+    # decord (0.6: fastest per core here, unmaintained; PyAV takes over the clips it fails on) or
+    # pyav (maintained; 0.84-0.86x decord 0.6's frames a core here): docs/BENCHMARKS.md, "Per-core decode rates"
+    video_decoder: str = "decord"
 
     def __post_init__(self):
         check(self, "patch_size", "temporal_patch", "merge", "video_min_frames", "max_image_pixels",
               "max_source_frames", ge=1)
         check(self, "video_cache_mb", ge=0)
+        check(self, "video_decoder", choices=("decord", "pyav"))
         factor = self.patch_size * self.merge
         if self.min_pixels < factor * factor:
             raise ValueError(f"min_pixels: must be >= (patch_size*merge)^2 = {factor * factor} "

@@ -1,4 +1,5 @@
-"""Decode member bytes: text (UTF-8), images (Pillow) and video (decord, PyAV as a fallback).
+"""Decode member bytes: text (UTF-8), images (Pillow) and video (media.video_decoder: decord, with
+PyAV as its fallback, or PyAV alone).
 
 Every failure is a `SkipSample` with a reason, never an exception that escapes the loader.
 Shapes: T frames, H/W pixels, 3 = RGB; frames are uint8.
@@ -206,7 +207,8 @@ class ClipCache:
     def key(data: bytes, media: MediaConfig) -> tuple:
         return (hashlib.blake2b(data, digest_size=16).digest(), len(data), media.video_fps,
                 media.video_min_frames, media.video_max_frames, media.temporal_patch, media.min_pixels,
-                media.max_pixels, media.factor, media.max_image_pixels, media.max_source_frames)
+                media.max_pixels, media.factor, media.max_image_pixels, media.max_source_frames,
+                media.video_decoder)
 
     def get(self, key: tuple) -> np.ndarray | None:
         frames = self._clips.get(key)
@@ -274,10 +276,14 @@ def _decode_video(data: bytes, media: MediaConfig) -> np.ndarray:
         raise SkipSample(L.TOO_LARGE, f"{probe.frames} frames > max_source_frames {media.max_source_frames}")
     size = _decode_size(probe.h, probe.w, media)
     try:
+        if media.video_decoder == "pyav":
+            return _decode_pyav(data, media, probe, size)
         return _decode_decord(data, media, size)
     except SkipSample:
         raise
     except Exception as first:
+        if media.video_decoder == "pyav":
+            raise SkipSample(L.CORRUPT_VIDEO, f"{type(first).__name__}: {str(first)[:200]}") from None
         try:
             return _decode_pyav(data, media, probe, size)
         except SkipSample:

@@ -110,6 +110,23 @@ def test_video_of_a_size_decord_mis_decodes_falls_back():
     assert out.shape[1:] == (32, 48, 3) and len(out) % 2 == 0
 
 
+def test_pyav_as_the_decoder_never_calls_decord_and_gives_its_frames(monkeypatch):
+    import mmtrain.data_pipelines.decode as decode
+
+    data = video_bytes(frames=8, h=32, w=32, fps=8, values=[10 + 25 * t for t in range(8)])
+    m = small_media(video_fps=4.0, video_min_frames=2, video_max_frames=4)
+    by_decord = decode_video(data, m)
+
+    calls = []
+    monkeypatch.setattr(decode, "_decode_decord", lambda *a: calls.append(a))  # a failure would fall back
+    by_pyav = decode_video(data, small_media(video_fps=4.0, video_min_frames=2, video_max_frames=4,
+                                             video_decoder="pyav"))
+    assert calls == [] and by_pyav.shape == by_decord.shape
+    assert np.abs(by_pyav.astype(int) - by_decord).max() <= 4  # the same H.264 frames; RGB conversions differ
+    for bad in (b"garbage" * 50, data[: len(data) // 3]):
+        assert _reason(decode_video, bad, small_media(video_decoder="pyav")) == "corrupt_video"
+
+
 def test_bad_videos_are_skipped():
     good = video_bytes(4)
     for bad in (b"", b"garbage" * 50, good[: len(good) // 3]):
