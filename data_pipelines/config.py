@@ -40,7 +40,8 @@ class MediaConfig:
     # of a loader's CPU, which on a 2-core machine is the step's: docs/BENCHMARKS.md)
     video_cache_mb: int = 0
     # decord (0.6: fastest per core here, unmaintained; PyAV takes over the clips it fails on) or
-    # pyav (maintained; 0.84-0.86x decord 0.6's frames a core here): docs/BENCHMARKS.md, "Per-core decode rates"
+    # pyav (maintained; 0.84-0.86x decord 0.6's frames a core here): docs/BENCHMARKS.md, "Per-core
+    # decode rates"
     video_decoder: str = "decord"
 
     def __post_init__(self):
