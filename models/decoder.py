@@ -199,7 +199,7 @@ class Decoder(nn.Module):
             if visual_QD is not None:
                 visual_QD = local_visual(modality_BS, visual_QD, context.lo, context.hi)
             tokens_BS, modality_BS = context.local(tokens_BS), context.local(modality_BS)
-            pos_ids_3BS = context.local(pos_ids_3BS, dim=2)
+            pos_ids_3BS = context.rotary_local(pos_ids_3BS)  # the chunk(s) the attention projects
         h_BSD = self.embed(tokens_BS)
         if visual_QD is not None:
             h_BSD = scatter_visual(h_BSD, modality_BS, visual_QD)

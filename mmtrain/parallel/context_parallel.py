@@ -105,7 +105,8 @@ def context_shard(dims, device: torch.device, seq_len: int, traffic: Traffic | N
     if dims.seq_size == 1:
         return None
     mesh = dims.cp_mesh(device.type)["cp"] if dims.tp == 1 else dims.seq_mesh(device.type)["seq"]
-    return ContextShard(CPComm(mesh.get_group(), traffic), seq_len)
+    # span: a tp group's attention projects its ranks' chunks together (their rotary too)
+    return ContextShard(CPComm(mesh.get_group(), traffic), seq_len, span=dims.tp)
 
 
 def local_targets(batch: PackedBatch, shard: ContextShard) -> PackedBatch:

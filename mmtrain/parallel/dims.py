@@ -2,13 +2,17 @@
 
     world ranks, row-major:  pp x dp_replicate x dp_shard x cp x tp   (torchtitan's order: tp
                              innermost, so a tp group is neighbouring ranks, one node's fast links)
-    dense mesh:   (dp_replicate, fsdp = dp_shard * cp)    FSDP2 of every non-expert parameter
-                                                          (HSDP when dp_replicate > 1)
+    dense mesh:   (dp_replicate, fsdp = dp_shard * cp * tp)  FSDP2 of every parameter that is not
+                                                          a routed expert or tp-split (HSDP when
+                                                          dp_replicate > 1)
+    layer mesh:   (dp_replicate, fsdp = dp_shard * cp, tp)  the tp-split layers: weights Shard over
+                                                          tp, FSDP2 over the rest
     expert mesh:  (dp_replicate, efsdp, ep[, tp])         ep borrows ranks from dp_shard * cp
                                                           (torchtitan's way): routed experts are
                                                           Shard(0) over ep, FSDP2 over the rest
                                                           (tp included: experts are not split)
-    tp mesh:      the ranks that split every layer's heads / FFN width (mmtrain/parallel/tensor_parallel.py)
+    tp mesh:      the layer mesh's tp: the ranks that split every layer's heads / FFN width
+                  (mmtrain/parallel/tensor_parallel.py)
     pp mesh:      the pipeline stages
     data:         dp rank = (rank // (cp * tp)) % (dp_replicate * dp_shard); the ranks of one cp,
                   tp or pp group read the same rows
@@ -125,11 +129,25 @@ class ParallelDims:
 
     # ----- meshes (built on first use: they need the process group) ------------------------------
     def dense_mesh(self, device_type: str):
-        """(dp_replicate, fsdp): FSDP2's mesh for every parameter that is not a routed expert. `fsdp`
-        includes tp: a tp rank multiplies by its slices of the gathered weights and holds distinct
-        tokens elsewhere (mmtrain/parallel/tensor_parallel.py)."""
+        """(dp_replicate, fsdp): FSDP2's mesh for every parameter that is neither a routed expert nor
+        a tp-split weight. `fsdp` includes tp: under sequence parallelism a tp rank holds distinct
+        tokens, so these parameters' gradients are partial per tp rank and FSDP's reduce sums them
+        (mmtrain/parallel/tensor_parallel.py)."""
         return self._mesh(device_type, "dense", (self.dp_replicate, self.dp_shard * self.cp * self.tp),
                           ("dp_replicate", "fsdp"), with_tp=False)
+
+    def layer_mesh(self, device_type: str):
+        """(dp_replicate, fsdp = dp_shard x cp, tp) (tp > 1): the tp-split decoder layers' mesh. Their
+        matmul weights are DTensors Shard over `tp`; FSDP2 shards them over the rest
+        (`layer_fsdp_mesh`), a slice of the same mesh, as FSDP2 requires of a 2-D parameter."""
+        assert self.tp > 1, "no layer mesh at tp = 1"
+        return self._mesh(device_type, "layer", (self.dp_replicate, self.dp_shard * self.cp, self.tp),
+                          ("dp_replicate", "fsdp", "tp"), with_tp=False)
+
+    def layer_fsdp_mesh(self, device_type: str):
+        """FSDP2's mesh for a tp-split layer: (dp_replicate, fsdp) (HSDP) or fsdp alone."""
+        mesh = self.layer_mesh(device_type)
+        return mesh["dp_replicate", "fsdp"] if self.dp_replicate > 1 else mesh["fsdp"]
 
     def seq_mesh(self, device_type: str):
         """(dp_replicate, dp_shard, seq = cp x tp): a `seq` group splits the same rows between its ranks."""
@@ -175,7 +193,7 @@ class ParallelDims:
     def tp_mesh(self, device_type: str):
         """(tp,): the ranks that split every layer's heads and FFN width (tp > 1)."""
         assert self.tp > 1, "no tp mesh at tp = 1"
-        return self._mesh(device_type, "tp", (self.dp_size * self.cp,), ("dp_cp",))["tp"]
+        return self.layer_mesh(device_type)["tp"]
 
     def stage_mesh(self, device_type: str):
         """(stage,): every rank of this rank's pipeline stage (the world when pp = 1): the ranks that run

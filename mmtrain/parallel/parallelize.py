@@ -38,7 +38,7 @@ from mmtrain.parallel.comm import Traffic
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv
 from mmtrain.parallel.expert_parallel import shard_experts
-from mmtrain.parallel.tensor_parallel import apply_tp, check_tp
+from mmtrain.parallel.tensor_parallel import apply_tp, check_tp, replicated_parts
 
 if TYPE_CHECKING:
     from mmtrain.run_config import RunConfig
@@ -184,9 +184,35 @@ def shard_blocks(root: nn.Module, moes: list[nn.Module], blocks: list[nn.Module]
             fully_shard(moe.experts, mesh=fsdp_mesh, **kwargs)
     dense = _fsdp_part(dims.dense_mesh(device.type), "fsdp")
     for block in blocks:
-        fully_shard(block, mesh=dense, **kwargs)
+        if (parts := replicated_parts(block)) is None:
+            fully_shard(block, mesh=dense, **kwargs)
+        else:
+            _shard_tp_layer(block, parts, dense, dims, device, kwargs)
     # the root stays gathered after forward (FSDP2's default for a root): backward needs it first
     fully_shard(root, mesh=dense, **{**kwargs, "reshard_after_forward": None})
+
+
+def _shard_tp_layer(layer: nn.Module, parts: tuple, dense, dims: ParallelDims,
+                    device: torch.device, kwargs: dict) -> None:
+    """A tp-split decoder layer (tensor_parallel.py): its plain parameters over the dense mesh (dp x
+    tp: their gradients are partial per tp rank), the routed experts a unit of their own and the
+    small ones (norms, router) one unit kept gathered from forward to backward (a list's modules
+    each reshard after their own forward: one all-gather each); then the layer over the dp dims
+    only, its matmul weights Shard over tp beneath. Those weights' gradients
+    leave backward already summed over the tp group's tokens, so FSDP divides their sum by dp x tp
+    (the world's loss scale) instead of averaging over dp: on gloo, which has no PREMUL_SUM, by a
+    plain sum and a divide. (Not when the shard group is one rank: torch 2.13 then divides its copy
+    by the factor and divides again after a forced-sum reduce.)"""
+    from torch.distributed.fsdp import fully_shard
+
+    small, experts = parts
+    if experts is not None:
+        fully_shard(experts, mesh=dense, **kwargs)
+    fully_shard(small, mesh=dense, **{**kwargs, "reshard_after_forward": False})
+    mesh = dims.layer_fsdp_mesh(device.type)
+    fully_shard(layer, mesh=mesh, **kwargs)
+    layer.set_gradient_divide_factor(float(mesh.size() * dims.tp))
+    layer.set_force_sum_reduction_for_comms(device.type != "cuda" and dims.dp_shard * dims.cp > 1)
 
 
 def _fsdp_part(mesh, shard_dim: str):

@@ -5,7 +5,9 @@ all-reduce, EP's all-to-alls, the loop's own all-reduces) with its process group
 named by the mesh dimension it belongs to. Wire bytes per rank, as docs/DISTRIBUTED.md counts them
 (ring / pairwise algorithms, n ranks in the group, N bytes the full tensor): all-gather and
 reduce-scatter (n - 1) / n x N, all-reduce 2 (n - 1) / n x N, all-to-all the rows sent to other
-ranks (a rank's own rows never leave it). Not seen: collectives DTensor issues inside its own
+ranks (a rank's own rows never leave it). The functional collectives DTensor's redistributions
+issue (tensor parallelism's all-gathers and reduce-scatters, mmtrain/parallel/tensor_parallel.py)
+are counted alike, by their group's name. Not seen: collectives DTensor issues inside its own
 dispatch (the gradient norm's scalar all-reduces).
 """
 
@@ -18,6 +20,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+FUNCTIONAL = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+              "all_reduce": "all_reduce"}  # torch.ops._c10d_functional -> kind
 KINDS = {"allgather": "all_gather", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce",
          "alltoall": "all_to_all", "broadcast": "broadcast"}
 
@@ -50,7 +54,23 @@ class CommCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             self._count(func, args)
+        elif func.namespace == "_c10d_functional" and func._opname in FUNCTIONAL:
+            self._count_functional(FUNCTIONAL[func._opname], args)
         return func(*args, **(kwargs or {}))
+
+    def _count_functional(self, kind: str, args) -> None:
+        """A functional collective: (input, ..., group name); the input is one rank's piece for an
+        all-gather, the full tensor for a reduce-scatter or an all-reduce."""
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        name = args[-1]
+        n = _resolve_process_group(name).size()
+        nbytes = _nbytes(args[:1])
+        wire = {"all_gather": nbytes * (n - 1), "reduce_scatter": nbytes * (n - 1) / n,
+                "all_reduce": 2 * nbytes * (n - 1) / n}[kind]
+        entry = self.calls[(self.names.get(name, f"group {name}"), kind)]
+        entry[0] += 1
+        entry[1] += wire
 
     def _count(self, func, args) -> None:
         kind = next((k for op, k in KINDS.items() if op in func._opname), None)

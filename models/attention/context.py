@@ -63,6 +63,9 @@ class ContextShard:
     comm: ContextComm
     seq_len: int  # S
     tiles_of: tuple | None = None  # (meta, its tile range): `_tile_range`'s memo for one forward
+    # the ranks of consecutive chunks whose tokens each layer's attention projects together (tensor
+    # parallelism's tp group all-gathers them: mmtrain/parallel/tensor_parallel.py); 1: its own
+    span: int = 1
 
     @property
     def chunk(self) -> int:
@@ -79,6 +82,13 @@ class ContextShard:
     def local(self, x: Tensor, dim: int = 1) -> Tensor:
         """This rank's chunk of a whole-row tensor."""
         return x.narrow(dim, self.lo, self.hi - self.lo)
+
+    def rotary_local(self, pos_ids_3BS: Tensor) -> Tensor:
+        """The positions whose rotary tables the layers' attention takes: this rank's chunk, or its
+        span's chunks (each rank computes them: no collective)."""
+        lo = self.comm.rank // self.span * self.span * self.chunk
+        lo, hi = min(lo, self.seq_len), min(lo + self.span * self.chunk, self.seq_len)
+        return pos_ids_3BS.narrow(2, lo, hi - lo)
 
 
 def attend_context(q_BHsD: Tensor, k_BKsD: Tensor, v_BKsD: Tensor, meta: AttnMeta, cfg: AttentionConfig,
