@@ -1,5 +1,5 @@
 """Fault injection (`train.faults`), as a callback: what the NaN, kill, stop, slow and resume tests and
-the chaos run provoke.
+the chaos run (tools/bench/chaos.py) provoke.
 
 It runs after every other callback, so a simulated crash comes where a real one would hurt most:
 after everything a step does, or with a checkpoint's files written but not committed (with
