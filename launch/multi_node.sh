@@ -16,7 +16,9 @@
 #   RDZV_ID         a job id shared by all nodes (default: SLURM_JOB_ID, else "mmtrain")
 #   NPROC_PER_NODE  processes per node (default: the GPUs of this node)
 #   MAX_RESTARTS    whole-job restarts after a failure (default 3; each resumes from the newest
-#                   checkpoint, so the run directory must be on a filesystem all nodes share)
+#                   checkpoint, so the run directory must be on a filesystem all nodes share); a
+#                   rank silent past train.heartbeat's bound (a hung node) is a failure: the
+#                   others exit 70 naming it
 #   PYTHON          default .venv/bin/python if present, else python
 #   MMTRAIN_SKIP_PLAN=1, PLAN_GPU
 #                   the `mmtrain plan` preflight (launch/preflight.sh): skip it; the GPU model

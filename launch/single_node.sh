@@ -4,7 +4,8 @@
 #   launch/single_node.sh CONFIG [mmtrain.train args: --set KEY=VALUE ... --run-dir DIR]
 #
 # Environment: NPROC (default: the GPUs of this node, else 2), MAX_RESTARTS (default 3: after a
-# crash torchrun restarts every rank and the run resumes from its newest checkpoint),
+# crash, or a rank the heartbeat names as silent (every other rank exits 70, train.heartbeat),
+# torchrun restarts every rank and the run resumes from its newest committed checkpoint),
 # PYTHON (default: .venv/bin/python if present, else python), MMTRAIN_SKIP_PLAN=1 (no `mmtrain plan`
 # preflight; launch/preflight.sh), PLAN_GPU. See docs/DISTRIBUTED.md.
 set -euo pipefail

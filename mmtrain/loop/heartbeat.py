@@ -205,7 +205,13 @@ def start(cfg: HeartbeatConfig, rank: int, world: int) -> Heartbeat | NoHeartbea
     real_group = dist.is_initialized() and dist.get_backend() != "fake"  # (the fake one has no store)
     if not cfg.enabled or world < 2 or not real_group or "MASTER_ADDR" not in os.environ:
         return NoHeartbeat()
-    return Heartbeat(cfg, job_store(cfg), rank, world)
+    try:
+        store = job_store(cfg)
+    except RuntimeError as e:  # a process group set up without torchrun's store (init_method=file://...)
+        print(f"mmtrain: rank {rank}: heartbeat off: no job store at MASTER_ADDR:MASTER_PORT "
+              f"({str(e).splitlines()[0][:120]})", file=sys.stderr, flush=True)
+        return NoHeartbeat()
+    return Heartbeat(cfg, store, rank, world)
 
 
 def job_store(cfg: HeartbeatConfig):
