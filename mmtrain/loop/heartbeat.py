@@ -208,7 +208,7 @@ def start(cfg: HeartbeatConfig, rank: int, world: int) -> Heartbeat | NoHeartbea
     try:
         store = job_store(cfg)
     except RuntimeError as e:  # a process group set up without torchrun's store (init_method=file://...)
-        print(f"mmtrain: rank {rank}: heartbeat off: no job store at MASTER_ADDR:MASTER_PORT "
+        print(f"mmtrain: rank {rank}: heartbeat off: no job store at torchrun's address "
               f"({str(e).splitlines()[0][:120]})", file=sys.stderr, flush=True)
         return NoHeartbeat()
     return Heartbeat(cfg, store, rank, world)
