@@ -38,6 +38,7 @@ class FaultConfig:
     nan_at_step: int = 0  # the loss of this optimizer step (1-based) becomes NaN on `rank`
     kill_at_step: int = 0  # `rank` SIGKILLs itself after this step's update, before its eval/checkpoint
     kill_in_save_at_step: int = 0  # ... while the checkpoint of this step is half written
+    kill_mid_step: int = 0  # ... inside this step, after its first forward (the others in its collectives)
     stop_at_step: int = 0  # `rank` SIGSTOPs itself after this step's update (a hung rank, alive)
     slow_s: float = 0.0  # `rank` is slow but live this long at each place of `slow_at`
     slow_at: list[str] = field(default_factory=list)  # "<where>@<step>", where: compile (in the first
@@ -45,8 +46,8 @@ class FaultConfig:
     rank: int = 0  # the rank the faults hit (the others must notice: skip together, or exit)
 
     def __post_init__(self):
-        check(self, "nan_at_step", "kill_at_step", "kill_in_save_at_step", "stop_at_step", "rank", "slow_s",
-              ge=0)
+        check(self, "nan_at_step", "kill_at_step", "kill_in_save_at_step", "kill_mid_step", "stop_at_step",
+              "rank", "slow_s", ge=0)
         for item in self.slow_at:
             where, _, step = item.partition("@")
             if where not in SLOW_PLACES or not step.isdigit():

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 
 def faults_configured(cfg: FaultConfig) -> bool:
-    return bool(cfg.nan_at_step or cfg.kill_at_step or cfg.kill_in_save_at_step or cfg.stop_at_step
-                or (cfg.slow_s and cfg.slow_at))
+    return bool(cfg.nan_at_step or cfg.kill_at_step or cfg.kill_in_save_at_step or cfg.kill_mid_step
+                or cfg.stop_at_step or (cfg.slow_s and cfg.slow_at))
 
 
 def announce(rank: int, what: str) -> None:
@@ -59,6 +59,8 @@ class FaultInjection(Callback):
         """The loss of step `nan_at_step` becomes NaN on the faulty rank (every micro-batch)."""
         step = trainer.step + 1
         self._be_slow("compile", step, hold_gil)
+        if self.cfg.kill_mid_step == step:  # the forward done, the backward's collectives ahead
+            self._signal(signal.SIGKILL, f"SIGKILL mid-step {step}")
         if self.mine and self.cfg.nan_at_step == step:
             announce(self.rank, f"NaN loss in step {step}")
             return loss * float("nan")

@@ -2,7 +2,8 @@
 sharded over 2, the dense weights over 4); one case adds CP(2). Each injects one fault on one rank
 (`train.faults`) and checks that the job notices it, names it, and resumes with nothing lost:
 
-- SIGKILL mid-run: the other ranks are gone within 10 s, the launcher's root cause names the rank;
+- SIGKILL mid-step (after a forward, its backward's collectives ahead): the other ranks are gone
+  within 10 s, the launcher's root cause names the rank;
 - SIGSTOP (hung, alive): every other rank exits within max(3 x median step, floor) + 5 s with the
   heartbeat's line naming it (mmtrain/loop/heartbeat.py), long before dist.timeout_s;
 - SIGKILL inside an async checkpoint write: that checkpoint is never committed, resume takes the one
@@ -69,12 +70,12 @@ def _resumed(run, ref, at: int) -> None:
 def test_sigkill_is_named_and_the_resume_is_exact(raw_for, tmp_path, ep2_ref):
     run, config = _config(raw_for, tmp_path, "run")
     ref = ep2_ref
-    p = train(config, 4, "train.faults.kill_at_step=5", "train.faults.rank=2", check=False)
+    p = train(config, 4, "train.faults.kill_mid_step=5", "train.faults.rank=2", check=False)
     t_end = time.time()
     assert p.returncode != 0
     root = r"root cause \(first observed failure\): rank 2 .* exitcode -9"
     assert re.search(root, p.stderr), p.stderr[-3000:]
-    assert t_end - _fault_time(p.stderr, "SIGKILL after step 5") < 10  # every survivor gone
+    assert t_end - _fault_time(p.stderr, "SIGKILL mid-step 5") < 10  # every survivor gone
     assert checkpoint_names(run) == ["step_2", "step_4"]
     train(config, 4)
     _resumed(run, ref, 4)
@@ -155,7 +156,7 @@ def test_a_slow_but_live_rank_is_never_named(raw_for, tmp_path):
 # test_kill_and_resume_two_ranks_is_exact, the kill and the stop here by the warm cases above
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", [
-    pytest.param(["train.faults.kill_at_step=5", "train.faults.rank=2"], id="sigkill"),
+    pytest.param(["train.faults.kill_mid_step=5", "train.faults.rank=2"], id="sigkill"),
     pytest.param(["train.faults.stop_at_step=5", "train.faults.rank=1", *FAST_HB], id="sigstop"),
 ])
 def test_torchrun_restarts_the_job_and_the_resume_is_exact(raw_for, tmp_path, ep2_ref, fault):
