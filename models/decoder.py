@@ -188,11 +188,13 @@ class Decoder(nn.Module):
     def forward(self, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, span_ids_BS: Tensor,
                 modality_BS: Tensor, visual_QD: Tensor | None = None,
                 capture_layers: Collection[int] | None = None, attn_stats: bool = False,
-                context: ContextShard | None = None) -> DecoderOutput:
+                context: ContextShard | None = None, knockout_BS: Tensor | None = None) -> DecoderOutput:
         """doc_ids < 0 mark padding (not routed by MoE, not counted); `attn_stats` asks every layer
         for the counts of what its attention visited (keys, kept and reachable blocks). With
-        `context` (context parallelism) the inputs are whole rows and the outputs this rank's chunk."""
-        meta = build_meta(doc_ids_BS, span_ids_BS, self.cfg.attention.block_size)  # once, all layers
+        `context` (context parallelism) the inputs are whole rows and the outputs this rank's chunk.
+        `knockout_BS` (bool): tokens made invisible to every other token (attention/knockout.py)."""
+        meta = build_meta(doc_ids_BS, span_ids_BS, self.cfg.attention.block_size,  # once, all layers
+                          knockout_BS=knockout_BS)
         if context is not None and (capture_layers or attn_stats):
             raise ValueError("attend: capture and stats need whole rows (run without context parallelism)")
         if context is not None:

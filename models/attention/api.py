@@ -11,6 +11,7 @@ from . import dense, flash, flex, gather, sdpa  # noqa: F401  (each registers it
 from .config import AttentionConfig
 from .context import ContextShard, attend_context
 from .counts import full_counts, sparse_counts
+from .knockout import check_call
 from .meta import AttnMeta
 from .registry import FULL, SPARSE, resolve
 from .select import Selection, select_blocks
@@ -44,10 +45,12 @@ def attend(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cfg: 
     q (B, H, S, D); k, v (B, Hkv, S, D), H % Hkv == 0. Returns (B, H, S, D) in q's dtype; softmax
     scale 1/sqrt(D). With `capture`, stores "q", "k" (detached) and, for sparse layers,
     "selection" (the `Selection` of picks). With `stats`, stores what the layer visits
-    (counts.py: keys, kept and reachable blocks, tokens; scalar tensors). With `context`, q, k, v
+    (counts.py: keys, kept and reachable blocks, tokens; scalar tensors). A key knockout in meta
+    (knockout.py) runs on a backend that applies it (else dense). With `context`, q, k, v
     are this rank's chunk of every row (context.py; the gather kernel, any backend asked for).
     Under torch.compile a backend's `opaque` layer kinds run as its custom op (opaque.py).
     """
+    check_call(meta, torch.compiler.is_compiling(), context)
     if context is not None:
         if capture is not None or stats is not None:
             raise ValueError("attend: capture and stats need whole rows (run without context parallelism)")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .blocks import kept
 from .config import AttentionConfig
+from .knockout import visible_keys
 from .meta import AttnMeta, token_mask
 from .opaque import attend_sparse_opaque
 from .registry import ANY, BOTH, SPARSE, Backend, register_backend
@@ -37,6 +38,9 @@ def rule_rows(meta: AttnMeta, cfg: AttentionConfig | None, sel: Selection | None
     doc_RS, skey_RS = meta.doc_BS[b_R], meta.skey_BS[b_R]
     mask_RS = token_mask(meta.doc_BS[b_R, i_R, None], meta.skey_BS[b_R, i_R, None], i_R[:, None],
                          doc_RS, skey_RS, pos_S[None])
+    visible_RS = visible_keys(meta, b_R, i_R)
+    if visible_RS is not None:  # a key knockout (knockout.py)
+        mask_RS = mask_RS & visible_RS
     if sel is None:
         return mask_RS[None]
     nblk_BS = meta.nblk_BS
@@ -84,4 +88,4 @@ def run_dense(q_BHSD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, meta: AttnMeta, cf
 # Sparse layers as the opaque op under torch.compile: their selection reads the host. Full layers
 # trace (the mask is S x S from tensors alone).
 register_backend(Backend("dense", run_dense, layers=BOTH, devices=ANY, train=ANY,
-                         opaque={SPARSE: attend_sparse_opaque}))
+                         opaque={SPARSE: attend_sparse_opaque}, knockout=True))

@@ -87,6 +87,9 @@ class AttnMeta:
     blocks_B: Tensor  # int64 aligned blocks each row needs
     null: Tensor  # int64 scalar: a document id no token has (empty slots, padded blocks)
     max_docs: int = 0  # per-row document cap: A static (0: A bucketed from the longest row's need)
+    # Key knockout (analysis, e.g. the attention-map tool's faithfulness): True = the token is
+    # invisible to every other token (knockout.py); None: no knockout.
+    knock_BS: Tensor | None = None
     # Per-forward cache of what layers share (aligned layout, gather intervals, flex BlockMasks,
     # the host values below).
     cache: dict = field(default_factory=dict, repr=False)
@@ -220,13 +223,15 @@ def _doc_ranks(doc_BS: Tensor, Bs: int) -> tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 @torch.no_grad()
-def build_meta(doc_ids_BS: Tensor, span_ids_BS: Tensor, block_size: int, max_docs: int = 0) -> AttnMeta:
+def build_meta(doc_ids_BS: Tensor, span_ids_BS: Tensor, block_size: int, max_docs: int = 0,
+               knockout_BS: Tensor | None = None) -> AttnMeta:
     """Build the metadata once per forward; every layer (and every backend) reuses it. No host
     synchronisation: three steps of tensor ops (documents, spans; host values lazily, in AttnMeta).
 
     doc_ids (B, S): document of each token (ids < 0: padding); span_ids (B, S): visual span of
     each visual token (>= 0; unique within a document), -1 for text; max_docs: a per-row cap on
-    documents (padding runs count) that makes the aligned layout's length static (0: none)."""
+    documents (padding runs count) that makes the aligned layout's length static (0: none);
+    knockout (B, S) bool: tokens knocked out as keys (knockout.py), None for none."""
     if doc_ids_BS.shape != span_ids_BS.shape or doc_ids_BS.dim() != 2:
         raise ValueError(f"doc_ids/span_ids: need equal (B, S) shapes (got {tuple(doc_ids_BS.shape)} "
                          f"and {tuple(span_ids_BS.shape)})")
@@ -251,7 +256,15 @@ def build_meta(doc_ids_BS: Tensor, span_ids_BS: Tensor, block_size: int, max_doc
         span_last_BS=span_last_BS, span_lo_BS=span_lo_BS, span_hi_BS=span_hi_BS,
         ablk_BS=base_BS + rank_BS // Bs, base_BS=base_BS, vis_BS=vis_BS, blocks_B=blocks_B,
         null=doc_BS.amin() - 1 if S else doc_BS.new_tensor(-1), max_docs=max_docs,
+        knock_BS=None if knockout_BS is None else check_knockout(knockout_BS, doc_BS),
     )
+
+
+def check_knockout(knock_BS: Tensor, doc_BS: Tensor) -> Tensor:
+    if knock_BS.shape != doc_BS.shape:
+        raise ValueError(f"knockout: need the (B, S) shape of doc_ids {tuple(doc_BS.shape)} "
+                         f"(got {tuple(knock_BS.shape)})")
+    return knock_BS.to(device=doc_BS.device, dtype=torch.bool)
 
 
 def _aligned(meta: AttnMeta) -> AlignedLayout:

@@ -11,7 +11,9 @@ per-call `usable` check (host values allowed; skipped under compile for its `opa
 `opaque`: layer kind -> the custom op it runs as under torch.compile (opaque.py, whose body calls
 `resolve` again); `saved`: a sparse forward that also returns the log-sum-exp and the backward
 from it; `decode`; `fallback` (where a call it cannot compute goes: the first that trains there
-and is usable). `auto` walks the backends with an `auto` rank, lowest first.
+and is usable). `auto` walks the backends with an `auto` rank, lowest first. `knockout`: it
+applies a key knockout (knockout.py); a call with one that the asked backend does not apply runs
+on `dense`, the reference.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Backend:
     decode: bool = False
     fallback: tuple[str, ...] = ()
     auto: int = 0  # rank among auto's candidates (1 first); 0: not a candidate
+    knockout: bool = False  # applies AttnMeta.knock_BS (knockout.py)
 
     def runs_on(self, device: str, backward: bool = False) -> bool:
         where = self.train if backward else self.devices
@@ -105,6 +108,10 @@ def resolve(cfg: AttentionConfig, q_BHSD: Tensor, meta: AttnMeta, sparse: bool) 
     """The backend that runs this call: cfg.backend if it can compute it, else the first of its
     fallbacks (of auto's candidates for "auto") that trains on this device and is usable."""
     kind = SPARSE if sparse else FULL
+    if meta.knock_BS is not None:  # a key knockout: the asked backend if it applies it, else dense
+        asked = BACKENDS.get(cfg.backend)
+        ok = asked is not None and asked.knockout and _can(asked, kind, q_BHSD, meta, backward=False)
+        return asked if ok else BACKENDS["dense"]
     if cfg.backend != "auto":
         asked = BACKENDS[cfg.backend]
         if _can(asked, kind, q_BHSD, meta, backward=False):

@@ -25,6 +25,7 @@ import torch
 
 from .blocks import kept
 from .config import AttentionConfig
+from .knockout import live_slots
 from .meta import AttnMeta
 
 Tensor = torch.Tensor
@@ -82,11 +83,18 @@ def from_aligned(x_BHLD: Tensor, meta: AttnMeta) -> Tensor:
 
 
 def block_means(x_BHLD: Tensor, meta: AttnMeta) -> Tensor:
-    """Mean of each aligned block's tokens, fp32: (B, H, A, D)."""
+    """Mean of each aligned block's tokens, fp32: (B, H, A, D); knocked-out tokens left out
+    (knockout.py; a block of only those: zeros)."""
     lay = meta.aligned()
     B, H, L, D = x_BHLD.shape
-    sum_BHAD = x_BHLD.float().view(B, H, lay.aligned_blocks, lay.block_size, D).sum(-2)
-    return sum_BHAD / lay.count_BA.clamp_min(1)[:, None, :, None]
+    A, Bs = lay.aligned_blocks, lay.block_size
+    live_BL, count_BA = live_slots(meta), lay.count_BA
+    x_BHLD = x_BHLD.float()
+    if live_BL is not None:
+        x_BHLD = x_BHLD * live_BL[:, None, :, None]
+        count_BA = live_BL.view(B, A, Bs).sum(-1).float()
+    sum_BHAD = x_BHLD.view(B, H, A, Bs, D).sum(-2)
+    return sum_BHAD / count_BA.clamp_min(1)[:, None, :, None]
 
 
 def _top(score_BGMN: Tensor, cand_BGMN: Tensor, k: int, lo: int, first_B1M1: Tensor) -> Tensor:
