@@ -6,9 +6,10 @@
 Per batch: forwards with real media (q/k captured in every layer), blanked and (`mismatch`) swapped
 media (mismatch.mismatch_media) for the gaps; attention statistics on <= `max_rows` text rows with each
 layer's mask (models.attention.stats); expert load, router entropy, effective ranks of the visual
-embeddings; the pointing game (pointing.py) on `grounding`; the ViT's linear probe (probe.py) on
-`probe`. All is one flat float64 sum vector: one `reduce_fn` combines ranks exactly; every rank must
-pass as many batches (the forwards are collective).
+embeddings; the pointing game (pointing.py) and the default map's knockout faithfulness
+(knockout.py) on `grounding`; the ViT's linear probe (probe.py) on `probe`. All is one flat
+float64 sum vector: one `reduce_fn` combines ranks exactly; every rank must pass as many batches
+(the forwards are collective).
 `model` is called as is (DDP/FSDP or not; config from `raw_model`); one batch's q/k of all layers are held.
 
 Legend: B rows, S tokens, D decoder dim, E routed experts, L decoder layers, M media, Q merged
@@ -37,6 +38,7 @@ from mmtrain.data_pipelines.batch import (
     PackedBatch,
 )
 from mmtrain.evaluation.diagnostics_report import DiagConfig, DiagResult
+from mmtrain.evaluation.knockout import grounding_faithfulness
 from mmtrain.evaluation.pointing import GroundingDoc, pointing_scores
 from mmtrain.evaluation.probe import ProbeMedium, probe_scores
 from mmtrain.frozen import frozen_state
@@ -120,7 +122,7 @@ def run_diagnostics(model: nn.Module, batches: Iterable[PackedBatch], device: to
     raw = raw_model if raw_model is not None else getattr(model, "module", model)
     layout = _Layout.of(raw)
     sums = _Sums(layout.shapes(), device)
-    n_batches, pointing, probed = 0, {}, {}
+    n_batches, pointing, probed, faith = 0, {}, {}, {}
     clock = _Clock(device)
     with frozen_state(model, device):
         for batch in itertools.islice(batches, cfg.batches):
@@ -132,10 +134,14 @@ def run_diagnostics(model: nn.Module, batches: Iterable[PackedBatch], device: to
         if probe:
             with clock("probe"):
                 probed = probe_scores(model, probe, device, raw, autocast)
+        if grounding and cfg.faithfulness_words:  # the same documents and rows on every rank
+            with clock("faithfulness"):
+                faith = grounding_faithfulness(raw, grounding, device, cfg.faithfulness_words,
+                                               cfg.faithfulness_draws, seed=step)
     if reduce_fn is not None:
         reduce_fn(sums.flat)
     result = _result(sums, layout, step, n_batches, cfg)
-    result.pointing, result.probe = pointing, probed
+    result.pointing, result.probe, result.faithfulness = pointing, probed, faith
     result.seconds = clock.seconds | {"total": clock.since_start()}
     return result
 

@@ -46,10 +46,15 @@ class DiagConfig:
     # Linear probe of the ViT's pooled features over each object's box (colour, shape, size) on this
     # many val media with boxes, against a raw-pixel ceiling (mmtrain/evaluation/probe.py); 0 = off.
     probe_media: int = 0
+    # Knockout faithfulness of the default map method (mmtrain/evaluation/knockout.py) on the pointing
+    # game's words: its deletion AUC over random orders' (`faithfulness_draws` a word); 0 = off.
+    faithfulness_words: int = 12
+    faithfulness_draws: int = 20
 
     def __post_init__(self) -> None:
         for name, low in (("every", 0), ("batches", 1), ("max_rows", 1), ("warmup_steps", 0),
-                          ("pointing_media", 0), ("probe_media", 0)):
+                          ("pointing_media", 0), ("probe_media", 0), ("faithfulness_words", 0),
+                          ("faithfulness_draws", 2)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: must be an integer >= {low} (got {value!r})")
@@ -93,6 +98,8 @@ class DiagResult:
     visual_norm: dict[str, float] = field(default_factory=dict)
     # probe.py: attribute -> {"vit": held-out accuracy, "pixels": ceiling, "chance": ..., "n": objects}
     probe: dict[str, dict] = field(default_factory=dict)
+    # knockout.grounding_faithfulness: method, words, deletion ratio (map / random), its 95% interval, z
+    faithfulness: dict = field(default_factory=dict)
     # Wall seconds of this rank's passes, summed over batches: real (forward with captures), stats
     # (attention recompute, experts, embeddings), blank, mismatch (swap + forward), pointing, total.
     seconds: dict[str, float] = field(default_factory=dict)
@@ -140,6 +147,9 @@ class DiagResult:
             out[f"{prefix}/pointing_chance_{cat}"] = p["chance_cell"]
         for attr, p in self.probe.items():
             out.update({f"{prefix}/probe_{attr}_{k}": p[k] for k in ("vit", "vit_pre", "pixels", "chance")})
+        if self.faithfulness.get("words"):
+            out[f"{prefix}/faithfulness_deletion_ratio"] = self.faithfulness["deletion_ratio"]
+            out[f"{prefix}/faithfulness_deletion_z"] = self.faithfulness["deletion_z"]
         out[f"{prefix}/alarms"] = float(len(self.alarms()))
         return out
 
@@ -208,6 +218,7 @@ class DiagResult:
             "router_entropy": {str(k): v for k, v in self.router_entropy.items()},
             "effective_rank": self.effective_rank, "effective_rank_centered": self.effective_rank_centered,
             "media": self.media, "pointing": self.pointing, "probe": self.probe,
+            "faithfulness": self.faithfulness,
             "visual_norm": self.visual_norm, "alarms": self.alarms(),
             "config": asdict(self.cfg),
         }

@@ -122,7 +122,7 @@ def test_from_val_aggregate_and_mmtrain_subcommand(setup, tmp_path, capsys, monk
     torch.set_num_threads(1)
     run_dir = Path(setup["ckpt"]).parent  # a run directory: its newest valid checkpoint is used
     rc = mmtrain_cli.main(["attn", "--ckpt", str(run_dir), "--from-val", "6", "--examples", "2",
-                           "--out", str(out)])
+                           "--draws", "4", "--out", str(out)])
     stdout, err = capsys.readouterr()
     assert rc == 0, err
     assert stdout.splitlines()[0] == f"checkpoint: {setup['ckpt']} (newest valid in {run_dir})"
@@ -136,6 +136,13 @@ def test_from_val_aggregate_and_mmtrain_subcommand(setup, tmp_path, capsys, monk
     assert set(m["headline"]) == {"colour", "shape"}
     assert set(m["attention"]["by_kind"]) == {"image", "video", "interleaved"}
     assert (out / "pointing.png").stat().st_size > 100
+    # knockout faithfulness is on by default for --from-val: every method, the controls, the curves
+    f = m["faithfulness"]
+    assert f["words"] == s["all"]["n"] and f["draws"] == 4 and f["default"] in f["methods"]
+    assert {"raw mean", "rollout", "grad", "heads", "box oracle"} <= set(f["methods"])
+    assert (out / "faithfulness.png").stat().st_size > 100 and "Knockout faithfulness" in stdout + (
+        out / "report.html").read_text()
+    assert list(out.glob("examples/*_curves.png")), "each rendered word's curves beside its maps"
 
 
 def test_word_probe_takes_a_run_directory(setup, capsys):

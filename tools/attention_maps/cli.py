@@ -39,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: per-document inputs are small; 0 = torch's default)")
     p.add_argument("--chunk", type=int, default=32, help="query rows recomputed at once")
+    p.add_argument("--faithfulness", action=argparse.BooleanOptionalAction, default=None,
+                   help="knockout faithfulness of every map method (default: on for --from-val)")
+    p.add_argument("--draws", type=int, default=20, help="--faithfulness: random orders a word (default 20)")
+    p.add_argument("--sanity", action="store_true",
+                   help="--faithfulness: also the randomisation check (maps after re-initialising weights)")
     p.add_argument("--out", required=True, help="output directory")
 
 
@@ -57,6 +62,10 @@ def _check(args) -> None:
         raise UserError("--boxes applies to --image/--video/--shard, not --from-val (val samples have boxes)")
     if args.chunk < 1 or args.examples < 0 or args.threads < 0:
         raise UserError("--chunk must be >= 1, --examples and --threads >= 0")
+    if args.draws < 2:
+        raise UserError(f"--draws: need >= 2 random orders (got {args.draws})")
+    if args.sanity and args.faithfulness is False:
+        raise UserError("--sanity checks the faithfulness maps: drop --no-faithfulness")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ class DocPictures:
     media: list[Path] = field(default_factory=list)
     tokens: dict[int, TokenPictures] = field(default_factory=dict)
     blocks: dict[int, Path] = field(default_factory=dict)
+    curves: dict[int, Path] = field(default_factory=dict)  # first token of a word -> its knockout curves
 
 
 def slug(text: str) -> str:

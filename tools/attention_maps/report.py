@@ -7,6 +7,7 @@ import base64
 import html
 from pathlib import Path
 
+from . import faith_report
 from .maps import DocAttention
 from .metrics import Trial
 from .render import DocPictures
@@ -118,6 +119,8 @@ def document_section(att: DocAttention, pics: DocPictures, trials: list[Trial], 
         if pos in by_pos:
             out.append(_trial_line(by_pos[pos]))
         out.extend(_img(f) for f in tp.files)
+        if pos in pics.curves:  # the knockout test of this word's map, beside it
+            out.append(_img(pics.curves[pos]))
         out.append("</div>")
     return "".join(out)
 
@@ -136,6 +139,15 @@ def write_report(path: Path, title: str, intro: str, metrics: dict, figures: lis
             pointing_table(pg["token"]["summary"], layers),
             "<h3>Predictor rows (the row that predicts the word)</h3>",
             pointing_table(pg["predictor"]["summary"], layers)]
+    if "faithfulness" in metrics:
+        faith = metrics["faithfulness"]
+        body += ["<h2>Knockout faithfulness</h2><p class=note>Each method's map ranks the medium's visual "
+                 "tokens for a word (its predictor rows); the top k% are masked as keys for every query in "
+                 "every layer and the word's log-probability drop is measured, against random orders and the "
+                 "box oracle; insertion masks the whole medium and restores the top k%. Default method: "
+                 f"<b>{html.escape(faith['default'])}</b>; most faithful here: "
+                 f"{html.escape(faith['best'])}.</p>",
+                 faith_report.table(faith), faith_report.video_note(faith)]
     for caption, fig in figures:
         body.append(f"<h3>{html.escape(caption)}</h3>{_img(fig)}")
     strips = [f"<h3><a href='#d{i}'>{html.escape(t)}</a></h3>{_token_strip(att, pics, f'd{i}')}"

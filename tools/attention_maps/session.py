@@ -10,14 +10,16 @@ from pathlib import Path
 
 from mmtrain.data_pipelines.ledger import SkipSample
 from mmtrain.errors import UserError
+from mmtrain.evaluation.attribution import method_names
 from mmtrain.inference.loading import Loaded, checkpoint_line, load_model
 from mmtrain.inference.prompts import iter_val_samples, read_sample
 
-from . import plots
+from . import faith_report, plots
+from .faithfulness import doc_words, evaluate
 from .inputs import NoMediaError, doc_from_file, doc_from_sample, load_boxes
 from .maps import DocAttention, analyze_document, parse_layers
 from .metrics import Grounding, pointing_rows, scorable_words, token_records
-from .render import DocPictures, layer_kinds, render_document
+from .render import DocPictures, layer_kinds, render_document, slug
 from .report import write_report
 
 
@@ -93,6 +95,31 @@ class Session:
             figs.append(("Pointing game per layer (token rows)", path))
         return figs
 
+    @property
+    def faith_on(self) -> bool:
+        """--faithfulness, on by default for --from-val."""
+        f = getattr(self.args, "faithfulness", None)
+        return (self.args.from_val is not None) if f is None else f
+
+    def faithfulness(self, words, examples) -> tuple[dict, list[tuple[str, Path]]]:
+        """Knock out every scored word (and with --sanity randomise the weights); the curves figure,
+        and each rendered example word's own curves beside its maps."""
+        if not words:
+            return {"words": 0, "note": "no word names a boxed object: nothing to knock out"}, []
+        faith = evaluate(self.loaded.model, words, self.args.draws)
+        if self.args.sanity:
+            from .sanity import sanity
+
+            heads = [tuple(int(x) for x in h[1:].split("H")) for h in faith["heads"]]
+            methods = method_names(self.loaded.cfg.model.decoder.n_layers)
+            faith["sanity"] = sanity(self.loaded.model, words, methods, heads)
+        for _, pics, _, _, doc in examples:
+            for sw in (w for w in words if w.doc == doc.name and w.curves is not None):
+                path = self.out / "examples" / f"{slug(doc.name)}_t{sw.span.start:04d}_curves.png"
+                pics.curves[sw.span.start] = faith_report.word_figure(sw, faith["default"], path)
+        path = faith_report.curves_figure(faith, self.out / "faithfulness.png")
+        return faith, [("Knockout faithfulness: deletion and insertion curves", path)]
+
     def _write(self, metrics: dict, title: str, intro: str, figures, documents) -> Path:
         (self.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n", encoding="utf-8")
         report = self.out / "report.html"
@@ -120,19 +147,25 @@ class Session:
         pics = render_document(att, self.out / "maps", self.heads, self.tokens, self.args.query)
         metrics = {**self.base_metrics("single"), "input": _doc_summary(doc), **g.to_dict(per_token=True),
                    "tokens": token_records(att)}
+        faith_figs = []
+        if self.faith_on:
+            words = doc_words(self.loaded.model, doc, self.loaded.device)
+            metrics["faithfulness"], faith_figs = self.faithfulness(words, [(att, pics, None, "", doc)])
         intro = (f"<p>Checkpoint <code>{self.loaded.path}</code>; <code>{self.command()}</code>. "
                  f"{_describe(doc)}</p>")
-        report = self._write(metrics, f"Attention maps: {doc.name}", intro, self.figures(g, att),
+        report = self._write(metrics, f"Attention maps: {doc.name}", intro, self.figures(g, att) + faith_figs,
                              [(att, pics, trials[self.args.query], f"{doc.kind}: {doc.name}")])
         return [checkpoint_line(self.args.ckpt, self.loaded.path),
                 f"{doc.kind} {doc.name}: {len(doc)} tokens, {len(pics.tokens)} token maps",
-                *_headline_lines(metrics), f"report: {report}", f"metrics: {self.out / 'metrics.json'}"]
+                *_headline_lines(metrics), *_faith_lines(metrics), f"report: {report}",
+                f"metrics: {self.out / 'metrics.json'}"]
 
     def run_val(self) -> list[str]:
         L, n_want = self.loaded, self.args.from_val
         g = self.grounding()
         skipped: Counter = Counter()
         examples: list[tuple[DocAttention, DocPictures, list, str]] = []
+        example_docs, scored = [], []
         used = 0
         for source, raw in iter_val_samples(L.cfg.data):
             if used >= n_want:
@@ -148,6 +181,8 @@ class Session:
             att = self.analyze(doc, all_maps=example)
             trials = g.add(att)
             used += 1
+            if self.faith_on:
+                scored += doc_words(L.model, doc, L.device)
             if example:
                 # Examples draw the words that name a boxed object unless --tokens says otherwise.
                 words = self.tokens or sorted({w.text for w, _, _ in scorable_words(doc)}) or None
@@ -155,19 +190,23 @@ class Session:
                                        prefix=f"{len(examples)}_")
                 examples.append((att, pics, trials[self.args.query], f"example {len(examples) + 1}: "
                                  f"{doc.kind} {doc.name} ({source})"))
+                example_docs.append((att, pics, None, "", doc))
         if used == 0:
             raise UserError(f"{self.loaded.path}: the val split has no readable sample with media")
         metrics = {**self.base_metrics("from_val"),
                    "samples": {"requested": n_want, "used": used, "by_kind": dict(g.kinds),
                                "skipped": dict(skipped)}, **g.to_dict()}
+        faith_figs = []
+        if self.faith_on:
+            metrics["faithfulness"], faith_figs = self.faithfulness(scored, example_docs)
         intro = (f"<p>Checkpoint <code>{self.loaded.path}</code>; <code>{self.command()}</code>. "
                  f"{used} held-out documents with media ({', '.join(f'{v} {k}' for k, v in g.kinds.items())})"
                  ", "
                  f"round-robin over the val sources; {len(examples)} rendered below.</p>")
         report = self._write(metrics, f"Attention maps over {used} val documents", intro,
-                             self.figures(g, examples[0][0] if examples else None), examples)
+                             self.figures(g, examples[0][0] if examples else None) + faith_figs, examples)
         return [checkpoint_line(self.args.ckpt, self.loaded.path), f"{used} val documents ({dict(g.kinds)})",
-                *_headline_lines(metrics),
+                *_headline_lines(metrics), *_faith_lines(metrics),
                 f"report: {report}", f"metrics: {self.out / 'metrics.json'}"]
 
 
@@ -204,4 +243,22 @@ def _headline_lines(metrics: dict) -> list[str]:
         lines.append(f"pointing {cat}: {h['accuracy']:.3f} (mean map over layers; best L{h['best_layer']} "
                      f"{h['best_layer_accuracy']:.3f}) vs chance {h['chance']:.3f} box / "
                      f"{h['chance_cell']:.3f} random token, n={h['n']}")
+    return lines
+
+
+def _faith_lines(metrics: dict) -> list[str]:
+    f = metrics.get("faithfulness")
+    if not f or not f.get("words"):
+        return [f"faithfulness: {f['note']}"] if f else []
+    lines = []
+    for k in dict.fromkeys([f["default"], f["best"]]):
+        m = f["methods"][k]
+        lo, hi = m["deletion_ratio_95"]
+        tag = " (default)" if k == f["default"] else " (best)"
+        lines.append(f"faithfulness {k}{tag}: deletion AUC {m['deletion_ratio']:.2f}x random "
+                     f"[95% {lo:.2f}, {hi:.2f}], {m['oracle_ratio']:.2f}x box oracle, insertion@20% "
+                     f"{m['insertion_20']:.2f} of the medium's worth; {f['words']} words")
+    if "sanity" in f:
+        lines.append("sanity (Spearman >= 0.3 after randomisation): " + (", ".join(f["sanity"]["flagged"]) or
+                                                                         "no method flagged"))
     return lines
