@@ -178,7 +178,6 @@ def check_tp(cfg: RunConfig, dims: ParallelDims) -> None:
          f"model.decoder.moe.expert_dim: the shared expert's width must be a multiple of dist.tp {tp}"),
         (cfg.data.seq_len % (dims.cp * tp) == 0,
          f"data.seq_len: {cfg.data.seq_len} must be a multiple of dist.cp x dist.tp = {dims.cp * tp}"),
-        (cfg.dist.strategy == "fsdp", "dist.strategy: dist.tp > 1 needs fsdp"),
         (cfg.vision.balance == "none", "vision.balance: not with dist.tp > 1 (use vision.balance: none)"),
         # as under cp: these add whole-row forwards of their own to the training step
         (not cfg.loss.token_weighting.strength,
