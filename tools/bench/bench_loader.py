@@ -65,6 +65,22 @@ def bench_loader(cfg: DataConfig, tok) -> tuple[int, int, float]:
     return loader.stats()["samples"], tokens, time.perf_counter() - t0
 
 
+def profile(urls: list[str], cfg: DataConfig, tok, top: int) -> None:
+    """Where the 0-worker loader's time goes beyond the bare loop's (BENCHMARKS: the 0.85 goal)."""
+    import cProfile
+    import pstats
+
+    n_bare, t_bare = bench_bare(urls, cfg.media)
+    cfg.num_workers = 0
+    prof = cProfile.Profile()
+    prof.enable()
+    n, _, t = bench_loader(cfg, tok)
+    prof.disable()
+    print(f"bare loop {n_bare} samples {t_bare:.2f} s; loader (profiled) {n} samples {t:.2f} s; "
+          f"ratio {(n / t) / (n_bare / t_bare):.2f}")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def corpus_config(root: Path, args) -> DataConfig:
     sources = [SourceConfig(k, [str(p) for p in sorted((root / "train").glob(f"{k}-*.tar"))])
                for k in KINDS if list((root / "train").glob(f"{k}-*.tar"))]
@@ -94,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--repeat", type=int, default=2, help="runs per row, interleaved; the best is kept")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="instead: a bare pass, then a 0-worker loader pass under cProfile: its top N")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.corpus or Path(tmp)
@@ -103,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         tok = load_tokenizer(cfg.tokenizer)
         urls = [u for s in cfg.val for u in expand_shards(s.shards, s.name)]
         bench_bare(urls[:2], cfg.media)  # warm the page cache and the libraries
+        if args.profile:
+            return profile(urls, cfg, tok, args.profile)
         best: dict = {}
         for _ in range(args.repeat):  # interleaved, so a busy moment hurts every row alike
             n_bare, t = bench_bare(urls, cfg.media)
