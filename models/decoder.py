@@ -159,22 +159,40 @@ class Decoder(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(init_std); residual-branch outputs scaled by 1 / sqrt(2 L) (GPT-2/Megatron)."""
+        """Normal(init_std); residual-branch outputs scaled by 1 / sqrt(2 L) (GPT-2/Megatron). The
+        parts in order from the global RNG; MultimodalModel.init_weights seeds each part itself."""
+        self.reset_embed()
+        for layer in self.layers:
+            self.reset_layer(layer)
+        self.reset_head()
+
+    def reset_embed(self) -> None:
+        nn.init.normal_(self.embed.weight, std=self.cfg.init_std)
+
+    def reset_layer(self, layer: DecoderLayer) -> None:
         std = self.cfg.init_std
         out_std = std / (2 * self.cfg.n_layers) ** 0.5
-        nn.init.normal_(self.embed.weight, std=std)
-        for layer in self.layers:
-            layer.attn.reset_parameters(std, out_std)
-            layer.attn_norm.reset_parameters()
-            layer.ffn_norm.reset_parameters()
-            if isinstance(layer.ffn, MoE):
-                layer.ffn.reset_parameters(std, out_std)
-            else:
-                nn.init.normal_(layer.ffn.w_in.weight, std=std)
-                nn.init.normal_(layer.ffn.w_out.weight, std=out_std)
+        layer.attn.reset_parameters(std, out_std)
+        layer.attn_norm.reset_parameters()
+        layer.ffn_norm.reset_parameters()
+        if isinstance(layer.ffn, MoE):
+            layer.ffn.reset_parameters(std, out_std)
+        else:
+            nn.init.normal_(layer.ffn.w_in.weight, std=std)
+            nn.init.normal_(layer.ffn.w_out.weight, std=out_std)
+
+    def reset_head(self) -> None:
+        """The final norm and the LM head (untied)."""
         self.norm.reset_parameters()
         if self.lm_head is not None:
-            nn.init.normal_(self.lm_head.weight, std=std)
+            nn.init.normal_(self.lm_head.weight, std=self.cfg.init_std)
+
+    def numbered_layers(self) -> list[tuple[int, DecoderLayer]]:
+        """(index, layer) of the layers this decoder holds: all of them, or a pipeline stage's
+        (a ModuleDict keyed by the full model's indices)."""
+        if isinstance(self.layers, nn.ModuleDict):
+            return [(int(k), layer) for k, layer in self.layers.items()]
+        return list(enumerate(self.layers))
 
     def moe_layers(self) -> dict[int, MoE]:
         return {i: layer.ffn for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)}
@@ -225,5 +243,6 @@ class Decoder(nn.Module):
         return DecoderOutput(self.norm(h_BSD), aux_losses, load or None, entropy or None, captures, stats)
 
     def logits(self, hidden_BSD: Tensor) -> Tensor:
-        weight_VD = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden_BSD, weight_VD)
+        if self.lm_head is not None:  # the module's call (its hooks run: pipeline_replica.Streamed)
+            return self.lm_head(hidden_BSD)
+        return nn.functional.linear(hidden_BSD, self.embed.weight)

@@ -10,8 +10,10 @@ N patches at the input, merged visual tokens (patches / merge^2) at the output (
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -50,15 +52,19 @@ class ModelOutput:
 
 
 class MultimodalModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """`init_seed`: the seed every block's initial weights are drawn from (`init_weights`); None draws
+    it from the global RNG, the one draw building the model takes from it (on the meta device too)."""
+
+    def __init__(self, cfg: ModelConfig, init_seed: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.vision = VisionEncoder(cfg.vision, cfg.decoder.dim, cfg.decoder.attention)
-        self.decoder = Decoder(cfg.decoder)
-        # built last, so that without it every other parameter draws the same init as before
-        out = cfg.vision.merge ** 2 * cfg.vision.patch_dim
-        self.visual_head = nn.Linear(cfg.decoder.dim, out) if cfg.visual_head else None
-        self._reset_visual_head()
+        self.init_seed = draw_init_seed() if init_seed is None else init_seed
+        with torch.random.fork_rng(devices=[]):  # the constructors' own inits, overwritten below
+            self.vision = VisionEncoder(cfg.vision, cfg.decoder.dim, cfg.decoder.attention)
+            self.decoder = Decoder(cfg.decoder)
+            out = cfg.vision.merge ** 2 * cfg.vision.patch_dim
+            self.visual_head = nn.Linear(cfg.decoder.dim, out) if cfg.visual_head else None
+        self.init_weights()  # a no-op on the meta device
         # (vision, patches_NP, grid_thw_M3, modality_BS) -> visual_ND, training forwards; None: self.vision.
         # The trainer side may install one spreading it over ranks (mmtrain/parallel/vision_balance.py).
         self.encode_media: Callable[[VisionEncoder, Tensor, Tensor, Tensor], Tensor] | None = None
@@ -106,17 +112,11 @@ class MultimodalModel(nn.Module):
         """The LM head alone (for chunked cross-entropy over `hidden_BSD`)."""
         return self.decoder.logits(hidden_BSD)
 
-    @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialise every parameter and buffer, e.g. after `to_empty` from the meta device."""
-        self.vision.reset_parameters()
-        self.decoder.reset_parameters()
-        self._reset_visual_head()
-
-    def _reset_visual_head(self) -> None:
-        if self.visual_head is not None:
-            nn.init.normal_(self.visual_head.weight, std=self.cfg.decoder.init_std)
-            nn.init.zeros_(self.visual_head.bias)
+        """(Re)initialise every parameter and buffer, e.g. after `to_empty` from the meta device:
+        each block from its own seed (`seeded_init`), so a pipeline stage initialises its blocks alone
+        and gets the whole model's values."""
+        seeded_init(self, self.init_seed)
 
     def moe_layers(self) -> dict[int, MoE]:
         return self.decoder.moe_layers()
@@ -143,3 +143,43 @@ class MultimodalModel(nn.Module):
     def flops_per_token(self, seq_len: int, visual_fraction: float = 0.0,
                         patches_per_medium: int = 256, attn_keys: dict[int, float] | None = None) -> float:
         return flops_per_token(self, seq_len, visual_fraction, patches_per_medium, attn_keys)
+
+
+def draw_init_seed() -> int:
+    """One draw from the global CPU RNG (under a meta device context too): the model's init seed."""
+    return int(torch.randint(0, 2**62, (1,), device="cpu"))
+
+
+def block_seed(seed: int, name: str) -> int:
+    """The seed of one block's weights: the model's seed and the block's name, nothing else."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+
+
+@torch.no_grad()
+def seeded_init(model: nn.Module, seed: int) -> None:
+    """Initialise the blocks `model` holds, each from `block_seed(seed, its name)`: `vision`,
+    `decoder.embed`, `decoder.layers.<i>`, `decoder.head` (final norm + LM head), `visual_head`.
+    `model` is a MultimodalModel or a pipeline stage of one (blocks it lacks are None, its layers a
+    ModuleDict keyed by index): either way a block's values depend on the seed and its name alone,
+    never on which other blocks were built first. Draws on the CPU generator, forked (the global
+    RNG is left as it was); parameters on another device draw from that device's generator."""
+    dec = model.decoder
+    blocks = []
+    if model.vision is not None:
+        blocks.append(("vision", model.vision.reset_parameters))
+    if dec.embed is not None:
+        blocks.append(("decoder.embed", dec.reset_embed))
+    blocks += [(f"decoder.layers.{i}", partial(dec.reset_layer, layer)) for i, layer in dec.numbered_layers()]
+    if dec.norm is not None:
+        blocks.append(("decoder.head", dec.reset_head))
+    if getattr(model, "visual_head", None) is not None:
+        blocks.append(("visual_head", partial(_reset_linear, model.visual_head, dec.cfg.init_std)))
+    for name, reset in blocks:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(block_seed(seed, name))
+            reset()
+
+
+def _reset_linear(linear: nn.Linear, std: float) -> None:
+    nn.init.normal_(linear.weight, std=std)
+    nn.init.zeros_(linear.bias)

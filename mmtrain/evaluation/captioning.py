@@ -204,6 +204,8 @@ class CaptionEval(Callback):
 
     def _caption(self, trainer: Trainer) -> CaptionResult:
         """Unsharded: every rank captions its share from its own model, counts all-reduced.
+        dist.pp > 1: rank 0 captions every prompt from its pipeline's replica (in host memory,
+        streamed to the device: mmtrain/parallel/pipeline_replica.py); the others wait as below.
         FSDP-sharded: the shards are gathered to rank 0 alone, which captions every prompt from a
         replica built without a random init; the others wait in the broadcast of its result (so
         every rank runs the same collectives, and one rank, not all, holds a full copy). That wait
@@ -212,6 +214,9 @@ class CaptionEval(Callback):
         from mmtrain.parallel.distributed import broadcast_object
 
         env = trainer.env
+        if trainer.pipeline is not None:  # the replica is on each pipeline's first rank: rank 0 captions
+            res = self._run(trainer, trainer.raw_model, None) if env.is_main else None
+            return broadcast_object(res, env)
         if not is_sharded(trainer.raw_model):
             return self._run(trainer, trainer.raw_model, env)
         replica = local_replica(trainer.raw_model, trainer.device, keep=env.is_main)

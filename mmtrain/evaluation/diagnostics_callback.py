@@ -18,7 +18,7 @@ from mmtrain.evaluation.diagnostics import DiagConfig, run_diagnostics
 from mmtrain.evaluation.dist_eval import pad_to_most
 from mmtrain.evaluation.pointing import grounding_docs
 from mmtrain.evaluation.probe import probe_media
-from mmtrain.parallel.distributed import all_reduce
+from mmtrain.parallel.distributed import all_reduce, broadcast_object
 
 if TYPE_CHECKING:
     from mmtrain.loop.trainer import Trainer
@@ -62,14 +62,19 @@ class Diagnostics(Callback):
         """One run on every rank (the sums are all-reduced, so every rank sees the same result)."""
         env, cfg = trainer.env, self.cfg
         batches = pad_to_most(trainer.val_batches()[:cfg.batches], env, trainer.device, trainer.pad_batch)
+        evaluates = trainer.train_module.evaluates  # dist.pp > 1: the pipeline's first rank alone
         if self._grounding is None:
             self._grounding = grounding_docs(trainer.cfg.data, trainer.tokenizer, cfg.pointing_media)
         if self._probe is None:
             self._probe = probe_media(trainer.cfg.data, trainer.tokenizer, cfg.probe_media)
-        result = run_diagnostics(trainer.model, batches, trainer.device, cfg, trainer.step,
+        result = run_diagnostics(trainer.model, batches if evaluates else [], trainer.device, cfg,
+                                 trainer.step,
                                  autocast=trainer.autocast, raw_model=trainer.raw_model,
                                  reduce_fn=(lambda t: all_reduce(t, env)) if env.distributed else None,
-                                 grounding=self._grounding, probe=self._probe)
+                                 grounding=self._grounding if evaluates else None,
+                                 probe=self._probe if evaluates else None)
+        if trainer.pipeline is not None:  # every rank keeps the evaluating ranks' result (rank 0's)
+            result = broadcast_object(result, env)
         self.history.append(result.to_dict())  # with its step and alarms
         self._report(trainer, result)
         trainer.callbacks.emit("on_diagnostics", trainer, result)

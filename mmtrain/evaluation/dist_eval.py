@@ -19,11 +19,14 @@ from mmtrain.parallel.distributed import DistEnv, all_reduce
 
 def evaluate_ranks(model: nn.Module, batches: list[PackedBatch], device: torch.device, env: DistEnv,
                    pad: Callable[[], PackedBatch],
-                   autocast: Autocast = contextlib.nullcontext) -> EvalResult:
-    """`evaluate` over every rank's batches; in one process exactly `evaluate`."""
+                   autocast: Autocast = contextlib.nullcontext, evaluates: bool = True) -> EvalResult:
+    """`evaluate` over every rank's batches; in one process exactly `evaluate`. A rank that does not
+    evaluate (`evaluates` False: a pipeline's later ranks, whose first rank evaluates their shared
+    batches) adds nothing but joins the collectives."""
     if not env.distributed:
         return evaluate(model, batches, device, autocast)
-    local = evaluate(model, pad_to_most(batches, env, device, pad), device, autocast)
+    batches = pad_to_most(batches, env, device, pad)
+    local = evaluate(model, batches if evaluates else [], device, autocast)
     return reduce_result(local, env, device)
 
 

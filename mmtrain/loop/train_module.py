@@ -3,7 +3,9 @@ and a step's forward, backward, clip and bias update, the same calls at dist.pp 
 
     tm = build_train_module(cfg, env, device, dims, traffic)
     tm.model, tm.raw_model   # the whole model to evaluate (forward on `model`: itself or its DDP
-                             # wrapper); dist.pp > 1: a replica gathered from the stages (`refresh`)
+                             # wrapper); dist.pp > 1: a replica loaded from the stages (`refresh`)
+                             # in host memory on the pipeline's first rank, a meta skeleton elsewhere
+    tm.evaluates             # whether this rank runs evaluation, diagnostics and captioning
     tm.trained               # what the optimizer and the checkpoint see (pp: this rank's stages)
     tm.head                  # where the objective finds the LM head (pp: the last stage), else None
     tm.context               # the sequence shard of a row ((cp, tp) chunk), or None
@@ -11,7 +13,7 @@ and a step's forward, backward, clip and bias update, the same calls at dist.pp 
     tm.forward_backward(train_iter, sums, on_loss)   # the step's train.grad_accum micro-batches
     tm.clip(max_norm)        # the global gradient norm (0-dim tensor), gradients clipped
     tm.update_moe_bias()     # after an optimizer step: the MoE balancing bias from every rank's load
-    tm.refresh()             # before evaluation, diagnostics, captioning (pp: gathers the replica)
+    tm.refresh()             # before evaluation, diagnostics, captioning (pp: loads the replica)
 
 `TrainModule` runs the micro-batches one at a time through the whole model (FSDP2 / DDP from
 mmtrain/parallel/parallelize.py); `PipelineTrainModule` holds this rank's stages
@@ -54,6 +56,7 @@ class TrainModule:
     """dist.pp == 1: one process, or FSDP2 / HSDP / DDP over the ranks (with EP, CP, TP)."""
 
     pipeline = None
+    evaluates = True  # every rank evaluates its own batches
 
     def __init__(self, cfg, env: DistEnv, device: torch.device, dims: ParallelDims, traffic=None):
         self.env, self.device, self.dims, self.accum = env, device, dims, cfg.train.grad_accum
@@ -91,12 +94,14 @@ class TrainModule:
 
 
 class PipelineTrainModule:
-    """dist.pp > 1: `trained` is this rank's stages, `model` = `raw_model` the evaluation replica."""
+    """dist.pp > 1: `trained` is this rank's stages, `model` = `raw_model` the evaluation replica on
+    the pipeline's first rank (`evaluates`), its meta-device skeleton on the others."""
 
     def __init__(self, cfg, env: DistEnv, device: torch.device, dims: ParallelDims, traffic=None):
         self.cfg, self.env, self.device = cfg, env, device
         self.pipeline = PipelineModel(cfg, env, device, dims, traffic)
-        self.raw_model = self.model = self.pipeline.full
+        self.raw_model = self.model = self.pipeline.replica.model
+        self.evaluates = self.pipeline.evaluates
         self.trained = self.pipeline.module
         self.head = self.pipeline.last  # the LM head's stage: the objective's model
         self.context = self.pipeline.context  # the stages' own (tp's chunk)

@@ -378,7 +378,7 @@ class Trainer:
         """Per-task val loss with real, blanked and swapped media; callbacks add to the record (on_eval)."""
         self.refresh_replica()
         result = evaluate_ranks(self.model, self.val_batches(), self.device, self.env, pad=self.pad_batch,
-                                autocast=self.autocast)
+                                autocast=self.autocast, evaluates=self.train_module.evaluates)
         self.log.scalars(self.step, result.scalars())
         parts = [f"{t} {v:.3f}" for t, v in result.loss.items()]
         reads = [f"{t} {v:+.3f}" for t, v in result.mismatch_gap.items()]

@@ -2,7 +2,7 @@
 
     costs = stage_costs(model, seq_len, visual_fraction)    # FLOPs per token: vision, each layer, head
     ranges = split_layers(costs, n_stages, vision_stage)   # contiguous decoder layers per stage
-    parts = [StageModel(model_copy, s, n_stages, ranges[s]) for s in stage_ids(name, pp_rank, pp)]
+    parts = build_stage_models(meta_model, name, pp_rank, pp, seq_len)  # pruned copies, then `materialize`
     schedule = build_schedule(name, stages, n_microbatches, loss_fn)
 
 The split (torchtitan's `pipeline_module_split`: each stage a pruned copy of the whole model, so
@@ -61,7 +61,7 @@ from mmtrain.models.attention.context import ContextShard
 from mmtrain.models.counting import _inactive_routed, _matmul_params, attention_keys, flops_per_token
 from mmtrain.models.decoder import local_visual, scatter_visual
 from mmtrain.models.moe import MoE
-from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.models.multimodal import MultimodalModel, seeded_init
 from mmtrain.parallel import pipeline_p2p
 from mmtrain.parallel.parallelize import _by_mesh, checkpoint_forward, global_norm, layer_graphs, prime_probes
 
@@ -198,6 +198,7 @@ class StageModel(nn.Module):
             raise UserError("model.decoder.tie_embeddings: the embedding and the LM head sit on the first "
                             "and last pipeline stages; untie them to use dist.pp")
         self.cfg, self.stage, self.n_stages = model.cfg, stage, n_stages
+        self.init_seed = model.init_seed  # materialize: the blocks' values are the whole model's
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         dec = model.decoder
         self.vision = model.vision if self.is_first else None
@@ -265,21 +266,57 @@ class StageModel(nn.Module):
         return h_BSD, aux_2
 
 
+def stage_ranges(model: MultimodalModel, schedule: str, pp: int, seq_len: int, vision_stage: bool = False,
+                 costs: dict | None = None) -> list[range]:
+    """Every stage's decoder layers, split by `costs` (default `stage_costs`; dist.pp_split: measured
+    passes times) with dist.pp_vision_stage's `vision_stage`. `model` may be on the meta device."""
+    n_stages = pp * stages_per_rank(schedule)
+    return split_layers(costs or stage_costs(model, seq_len), n_stages, vision_stage)
+
+
 def build_stage_models(model: MultimodalModel, schedule: str, pp_rank: int, pp: int, seq_len: int,
-                       vision_stage: bool = False, costs: dict | None = None) -> list[StageModel]:
-    """This rank's stages (each a pruned deep copy of `model`), split by `costs` (default `stage_costs`;
-    dist.pp_split: measured passes times) with dist.pp_vision_stage's `vision_stage`. Split first, then
-    checkpoint / compile each stage's blocks (torchtitan's order): an activation-checkpointed block's
-    forward is an instance attribute closing over the block, which a deep copy would share."""
+                       vision_stage: bool = False, costs: dict | None = None,
+                       ranges: list[range] | None = None) -> list[StageModel]:
+    """This rank's stages, each a pruned deep copy of `model` (`stage_ranges` unless `ranges` given).
+    On the meta device (PipelineModel's way) the copies cost nothing; `materialize` then gives each
+    stage its values. Split first, then checkpoint / compile each stage's blocks (torchtitan's
+    order): an activation-checkpointed block's forward is an instance attribute closing over the
+    block, which a deep copy would share."""
     wrapped = [m for m in model.modules() if "forward" in vars(m)]
     if wrapped:
         raise ValueError("build_stage_models: split the plain model, then apply activation checkpointing "
                          "(dist.activation_checkpointing) to each stage's blocks")
-    n_stages = pp * stages_per_rank(schedule)
-    ranges = split_layers(costs or stage_costs(model, seq_len), n_stages, vision_stage)
+    ranges = ranges or stage_ranges(model, schedule, pp, seq_len, vision_stage, costs)
     ids = stage_ids(schedule, pp_rank, pp)
-    return [StageModel(copy.deepcopy(model) if len(ids) > 1 else model, s, n_stages, ranges[s])
+    return [StageModel(copy.deepcopy(model) if len(ids) > 1 else model, s, len(ranges), ranges[s])
             for s in ids]
+
+
+def materialize(part: StageModel, device: torch.device) -> StageModel:
+    """A stage split from a meta-device model given the values one process gives those blocks
+    (`seeded_init`: each block from its own seed), built on the host and moved to `device`: the
+    rank never holds more than its stage."""
+    if any(p.is_meta for p in part.parameters()):
+        part.to_empty(device="cpu")
+        seeded_init(part, part.init_seed)
+    return part.to(device)
+
+
+def stage_rank(schedule: str, stage: int, pp: int) -> int:
+    """The pp rank running `stage` (the inverse of `stage_ids`)."""
+    if schedule in V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def block_stage(name: str, ranges: list[range]) -> int:
+    """The stage holding a block (pipeline_replica.block_modules' names)."""
+    if name in ("vision", "decoder.embed"):
+        return 0
+    if name.startswith("decoder.layers."):
+        i = int(name.rsplit(".", 1)[1])
+        return next(s for s, r in enumerate(ranges) if i in r)
+    return len(ranges) - 1  # the final norm and the LM head
 
 
 def checkpoint_stages(parts: list[StageModel], device: torch.device) -> None:
@@ -352,21 +389,6 @@ def run_schedule(schedule, arg_mbs: list, kwarg_mbs: list, target_mbs: list) -> 
         stage.clear_runtime_states()
     with pipeline_p2p.named(stages[0].group):  # gloo: the sends and receives bounded and named
         schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs=False)
-
-
-def gather_full_model(parts: list[StageModel], pp_group, model: MultimodalModel) -> MultimodalModel:
-    """`model` loaded with every stage's weights (state dicts all-gathered over the pipeline group;
-    their names are the full model's): evaluation, diagnostics, captioning and `generate` need
-    whole forwards, so they run on this gathered model (memory: a full copy a rank)."""
-    local = {k.replace("_orig_mod.", ""): v.detach().cpu()  # dist.compile's wrapper, not a name
-             for part in parts for k, v in part.state_dict().items()}
-    every: list = [None] * dist.get_world_size(pp_group)
-    dist.all_gather_object(every, local, group=pp_group)
-    missing, unexpected = model.load_state_dict({k: v for d in every for k, v in d.items()}, strict=False)
-    missing = [k for k in missing if not k.startswith("visual_head.")]  # training-only, not staged
-    if missing or unexpected:
-        raise RuntimeError(f"gather_full_model: stages miss {missing[:3]} / add {unexpected[:3]}")
-    return model
 
 
 def pp_grad_norm_of(grads: list[Tensor], group, device: torch.device) -> Tensor:

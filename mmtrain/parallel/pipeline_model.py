@@ -3,11 +3,17 @@
     pipe = PipelineModel(cfg, env, device, dims)
     pipe.module     # this rank's stages as one nn.Module with the full model's parameter names:
                     # the optimizer and the checkpoint see it (DCP reshards it to any other mesh)
-    pipe.full       # a whole MultimodalModel, refreshed (`refresh`) from every stage's weights
-                    # before evaluation, diagnostics and captioning (they need whole forwards)
+    pipe.refresh()  # the whole model for evaluation, diagnostics and captioning (they need whole
+                    # forwards): on the pipeline's first rank (`evaluates`) a replica in host memory
+                    # loaded from the stages block by block (mmtrain/parallel/pipeline_replica.py)
     pipe.clip(max_norm) / pipe.update_moe_bias(env)   # the norm and the bias step over all stages
 
-Order (torchtitan's): split the plain model into stages (mmtrain/parallel/pipeline.py), then
+Each rank builds only its stages: the model is built on the meta device (free), split, and each
+stage given the values one process gives its blocks (`pipeline.materialize`), so no rank ever
+holds the whole model, at build time included (`dist.pp_split: measured` times a meta copy with
+one layer of each kind given values: stage_timing.timing_model).
+
+Order (torchtitan's): split the model into stages (mmtrain/parallel/pipeline.py), then
 activation-checkpoint each stage's blocks, then (dist.compile) compile them, then (dist.tp > 1)
 split each stage's decoder layers over tp (mmtrain/parallel/tensor_parallel.py), then FSDP2 each
 stage's blocks and the stage itself over its pp slice's dense mesh (dp_replicate, fsdp; fsdp
@@ -21,29 +27,30 @@ of stage s holds its chunk (B, S / tp, D) of every row and sends it to tp rank t
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from mmtrain.errors import UserError
-from mmtrain.models.multimodal import MultimodalModel
+from mmtrain.models.multimodal import MultimodalModel, draw_init_seed
 from mmtrain.parallel.context_parallel import context_shard
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv, all_reduce
 from mmtrain.parallel.parallelize import compute_dtype, prime_probes, scale_expert_grads, shard_blocks
 from mmtrain.parallel.pipeline import (
     StageModel,
+    block_stage,
     build_stage_models,
     check_pipeline_config,
     checkpoint_stages,
     compile_stages,
-    gather_full_model,
+    materialize,
     pp_grad_norm,
     pp_grad_norm_of,
+    stage_ranges,
+    stage_rank,
 )
-from mmtrain.parallel.stage_timing import measured_costs
+from mmtrain.parallel.pipeline_replica import PipelineReplica
+from mmtrain.parallel.stage_timing import measured_costs, timing_model
 from mmtrain.parallel.tensor_parallel import apply_tp_layers, check_tp
 
 Tensor = torch.Tensor
@@ -79,11 +86,18 @@ class PipelineModel:
     def __init__(self, cfg, env: DistEnv, device: torch.device, dims: ParallelDims, traffic=None):
         check_pipeline_mesh(cfg, dims)
         self.cfg, self.dims, self.device = cfg, dims, device
-        model = MultimodalModel(cfg.model).to(device)  # every rank the same weights (one seed)
-        self.full = copy.deepcopy(model)  # the evaluation replica (a full copy a rank)
-        costs = measured_costs(model, cfg, device) if cfg.dist.pp_split == "measured" else None  # world MAX
-        self.parts = build_stage_models(model, cfg.dist.pp_schedule, dims.pp_rank, dims.pp, cfg.data.seq_len,
-                                        cfg.dist.pp_vision_stage, costs)
+        # the one draw from the global RNG one process's MultimodalModel takes; every block's values
+        # then come from its own seed (models/multimodal.seeded_init), so a stage built alone on the
+        # meta device and given values block by block equals the same blocks of one process's model
+        seed = draw_init_seed()
+        with torch.device("meta"):
+            skeleton = MultimodalModel(cfg.model, init_seed=seed)
+        costs = (measured_costs(timing_model(skeleton, device), cfg, device)  # world MAX: one cut
+                 if cfg.dist.pp_split == "measured" else None)
+        d, S = cfg.dist, cfg.data.seq_len
+        self.ranges = stage_ranges(skeleton, d.pp_schedule, dims.pp, S, d.pp_vision_stage, costs)
+        self.parts = [materialize(part, device) for part in build_stage_models(
+            skeleton, d.pp_schedule, dims.pp_rank, dims.pp, S, ranges=self.ranges)]
         if cfg.dist.activation_checkpointing:
             checkpoint_stages(self.parts, device)
         if cfg.dist.compile:  # after checkpointing, before the tp split (parallelize.build_model's order)
@@ -112,7 +126,9 @@ class PipelineModel:
         self.module = self.parts[0] if len(self.parts) == 1 else StageUnion(self.parts)
         self.group = dims.pp_mesh(device.type).get_group()
         self.last = next((p for p in self.parts if p.is_last), self.parts[-1])  # the objective's head
-        self.stale = True  # `full` lags the stages (set after every optimizer step)
+        # evaluation's whole model: in host memory on the pipeline's first rank (pipeline_replica.py)
+        self.replica = PipelineReplica(cfg.model, seed, dims.pp_rank == 0, device)
+        self.stale = True  # the replica lags the stages (set after every optimizer step)
 
     @torch.no_grad()
     def scale_expert_grads(self) -> None:
@@ -134,6 +150,7 @@ class PipelineModel:
         count each rank fills at its own layers, summed over the world (a layer lives on one stage of
         a pipeline, so the sum is its load over the data ranks, as in one process)."""
         self.stale = True  # the optimizer step moved the weights
+        self.replica.release()  # host memory only around evaluation points (pipeline_replica.py)
         dec = self.cfg.model.decoder
         if not any(dec.is_moe(i) for i in range(dec.n_layers)):
             return
@@ -146,22 +163,20 @@ class PipelineModel:
             moe.update_bias(load_LE[i])
 
     def refresh(self) -> MultimodalModel:
-        """`full` loaded with every stage's current weights (a collective over the pipeline group)."""
+        """The evaluation model: the replica loaded with every stage's current weights (a collective
+        over the pipeline group and each stage's meshes) on the pipeline's first rank; the meta
+        skeleton elsewhere (`evaluates` says which)."""
         if self.stale:
-            gather_full_model([_Unsharded(p) for p in self.parts], self.group, self.full)
+            schedule, pp, ranges = self.cfg.dist.pp_schedule, self.dims.pp, self.ranges
+            self.replica.refresh(self.parts, lambda name: stage_rank(schedule, block_stage(name, ranges), pp),
+                                 self.group)
             self.stale = False
-        return self.full
+        return self.replica.model
 
-
-class _Unsharded:
-    """A stage's state dict with FSDP2 shards gathered (a collective over the stage's dense mesh)."""
-
-    def __init__(self, part: nn.Module):
-        self.part = part
-
-    def state_dict(self) -> dict:
-        state = self.part.state_dict()
-        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+    @property
+    def evaluates(self) -> bool:
+        """Whether this rank runs evaluation, diagnostics and captioning (its pipeline's first rank)."""
+        return self.replica.holder
 
 
 def _shard_stage(part: StageModel, cfg, dims: ParallelDims, device: torch.device, traffic) -> None:

@@ -1,6 +1,7 @@
 """The pipeline split from measured cost (`dist.pp_split: measured`): time, don't count.
 
-    costs = measured_costs(model, cfg, device)     # seconds: {"vision", "layers": [...], "head"}
+    costs = measured_costs(timing_model(skeleton, device), cfg, device)   # seconds: {"vision",
+                                                                           #   "layers": [...], "head"}
     ranges = split_layers(costs, n_stages, ...)    # the same dynamic programme as the FLOP model's
 
 `stage_costs` (mmtrain/parallel/pipeline.py) is a FLOP model: it misses what FLOPs do not say (the
@@ -28,6 +29,7 @@ Legend: B rows, S tokens, D decoder width, V vocabulary, N patches, P patch valu
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Callable
 
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mmtrain.models.attention import build_meta
+from mmtrain.models.multimodal import seeded_init
 from mmtrain.parallel.pipeline import AUX_NAMES
 
 Tensor = torch.Tensor
@@ -52,7 +55,7 @@ def measured_costs(model, cfg, device: torch.device, timer: Timer | None = None,
     g = torch.Generator(device="cpu").manual_seed(0)
     B, S = cfg.data.batch_size, cfg.data.seq_len
     kinds = [(dec.is_moe(i), dec.is_sparse(i)) for i in range(dec.n_layers)]
-    first = {k: kinds.index(k) for k in dict.fromkeys(kinds)}  # kind -> its first layer
+    first = layer_kinds(dec)  # kind -> its first layer
     rows = _rows(B, S, device, g)
     bf16 = device.type == "cuda" and cfg.train.dtype == "bfloat16"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()  # the trainer's
@@ -69,6 +72,26 @@ def measured_costs(model, cfg, device: torch.device, timer: Timer | None = None,
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank the slowest rank's times: one cut
     got = dict(zip(keys, t.tolist()))
     return {"vision": got["vision"], "layers": [got[k] for k in kinds], "head": got["head"]}
+
+
+def layer_kinds(dec) -> dict[tuple[bool, bool], int]:
+    """(MoE, sparse) -> the first decoder layer of that kind: the layers `measured_costs` times."""
+    kinds = [(dec.is_moe(i), dec.is_sparse(i)) for i in range(dec.n_layers)]
+    return {k: kinds.index(k) for k in dict.fromkeys(kinds)}
+
+
+def timing_model(skeleton, device: torch.device):
+    """A copy of a meta-device model with only what `measured_costs` runs given values on `device`:
+    the vision encoder, the final norm, the LM head (or the tied embedding) and the first decoder
+    layer of each kind. The others stay on meta: a rank never holds the whole model to time it."""
+    model = copy.deepcopy(skeleton)
+    dec = model.decoder
+    timed = [model.vision, dec.norm, dec.lm_head if dec.lm_head is not None else dec.embed,
+             *(dec.layers[i] for i in layer_kinds(dec.cfg).values())]
+    for module in timed:
+        module.to_empty(device=device)
+    seeded_init(model, model.init_seed)  # the meta blocks: no values drawn
+    return model
 
 
 def wall_timer(device: torch.device, iters: int = 3) -> Timer:

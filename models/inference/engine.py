@@ -87,7 +87,7 @@ def prefill(model, tokens_BS: Tensor, pos_ids_3BS: Tensor, doc_ids_BS: Tensor, s
     cos_B1SF, sin_B1SF = dec.rotary(pos_ids_3BS)
     meta = build_meta(doc_ids_BS, span_ids_BS, cfg.block_size)
     C = round_capacity(max(capacity, S + 1, P), cfg.block_size)  # room for one more, and the padding
-    cache = new_cache(model, tokens_BS.shape[0], C, h_BSD.dtype)
+    cache = new_cache(model, tokens_BS.shape[0], C, h_BSD.dtype, h_BSD.device)
     for layer, lc in zip(dec.layers, cache.layers):
         q_BHSE, k_BKSE, v_BKSE = layer.attn.project(layer.attn_norm(h_BSD), cos_B1SF, sin_B1SF)
         h_BSD = h_BSD + layer.attn.output(attend(q_BHSE, k_BKSE, v_BKSE, meta, cfg, layer.sparse))
@@ -126,12 +126,13 @@ def decode_step(model, cache: KVCache, tokens_B: Tensor) -> Tensor:
     return dec.logits(dec.norm(h_B1D))[:, 0]
 
 
-def new_cache(model, B: int, C: int, dtype: torch.dtype) -> KVCache:
-    """An empty cache of B rows and C positions (prefill fills it; benchmarks may fill it directly)."""
+def new_cache(model, B: int, C: int, dtype: torch.dtype, device: torch.device | None = None) -> KVCache:
+    """An empty cache of B rows and C positions (prefill fills it; benchmarks may fill it directly), on
+    `device` (default: the embedding's; a streamed model's weights are on the device only in use)."""
     dcfg = model.decoder.cfg
     acfg, K, E = dcfg.attention, dcfg.n_kv_heads, dcfg.head_dim
     G = selection_heads(acfg, dcfg.n_heads, K)
-    dev = model.decoder.embed.weight.device
+    dev = device if device is not None else model.decoder.embed.weight.device
     layers = [new_layer(B, K, C, E, dtype, dev, layer.sparse, G, acfg.block_size, acfg.select == "block")
               for layer in model.decoder.layers]
     zeros_B = torch.zeros(B, dtype=torch.long, device=dev)

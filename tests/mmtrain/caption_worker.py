@@ -45,7 +45,7 @@ def main(config: str, out: str) -> None:
     ev = CaptionEval(cfg.captions, cfg.data)
     ev.set = build_caption_set(cfg.data, cfg.captions)
     trainer = SimpleNamespace(raw_model=raw_model, device=device, cfg=cfg, tokenizer=tok, step=0, env=env,
-                              autocast=contextlib.nullcontext)
+                              autocast=contextlib.nullcontext, pipeline=None)
     res = ev._caption(trainer)
     Path(f"{out}.rank{env.rank}.json").write_text(json.dumps({"result": res.to_dict(), "built": built}))
     shutdown()

@@ -171,7 +171,8 @@ def fake_process_group(world: int, rank: int = 0):
 
 
 def state_bytes(modules, experts: bool | None = None) -> int:
-    """Unique storages' bytes of the modules' parameters and buffers (a DTensor's local shard); with
+    """Unique storages' bytes of the modules' parameters and buffers (a DTensor's local shard; meta
+    tensors hold none); with
     `experts`, only the routed experts' (True) or all but theirs (False)."""
     seen = {}
     for m in modules:
@@ -179,6 +180,8 @@ def state_bytes(modules, experts: bool | None = None) -> int:
             if experts is not None and (".experts." in name) != experts:
                 continue
             local = t.to_local() if hasattr(t, "to_local") else t
+            if local.is_meta:  # a shape without memory (a pipeline's evaluation skeleton)
+                continue
             seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
     return sum(seen.values())
 
@@ -223,6 +226,21 @@ def split_rows(batch, rank: int, world: int):
                    grid_thw_M3=batch.grid_thw_M3[m0:m1], media_kind_M=batch.media_kind_M[m0:m1])
 
 
+def expert_bias(trainer) -> list[list[float]]:
+    """Every MoE layer's balancing bias, in layer order; at dist.pp > 1 from the stages (each rank
+    holds its layers'), gathered over the world."""
+    import torch.distributed as dist
+
+    if trainer.pipeline is None:
+        return [m.router.expert_bias_E.tolist() for m in trainer.raw_model.moe_layers().values()]
+    parts = trainer.pipeline.parts
+    mine = {i: m.router.expert_bias_E.tolist() for p in parts for i, m in p.moe_layers().items()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    merged = {i: b for d in every for i, b in d.items()}
+    return [merged[i] for i in sorted(merged)]
+
+
 def parity_worker(config: str, out: str, steps: int = 10) -> None:
     """Train `steps` steps on the same global batches (read in one process, split by rows)."""
     from mmtrain.config import load_config
@@ -238,12 +256,10 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
     accum = cfg.train.grad_accum
     dims = trainer.dims  # the rows of this rank's data-parallel slot
     mine = [split_rows(next(it), dims.dp_rank, dims.dp_size) for _ in range(steps * accum)]
-    moes = trainer.raw_model.moe_layers().values()
     stats, bias, parts = [], [], []  # the balancing bias moves by the all-reduced expert loads of each step
     for i in range(steps):
         stats.append(trainer.train_step(iter(mine[i * accum:(i + 1) * accum])))
-        trainer.refresh_replica()  # dist.pp > 1: the stages' biases into the whole replica read below
-        bias.append([m.router.expert_bias_E.tolist() for m in moes])
+        bias.append(expert_bias(trainer))
         parts.append(trainer.grad_parts.pop())  # log_every=1: grad_norm/*, update_ratio/*
     if env.is_main:
         Path(out).write_text(json.dumps({"loss": [s.loss for s in stats],

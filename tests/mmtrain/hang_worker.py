@@ -104,9 +104,9 @@ def fuzz(config: str, seed: int, steps: int, out: str) -> None:
     pool = [next(it) for _ in range(3)]  # every rank reads alike: the loader agrees per batch
     val = [fuzz_batch(b, rng.choice(KINDS), rng, cp, trainer.pad_batch)
            for b in pool[:1 + (dims.dp_rank + seed) % 3]]
-    trainer.refresh_replica()  # dist.pp > 1: the evaluation runs on the replica gathered from the stages
+    trainer.refresh_replica()  # dist.pp > 1: the evaluation runs on the pipeline's first rank's replica
     result = evaluate_ranks(trainer.model, val, trainer.device, env, pad=trainer.pad_batch,
-                            autocast=trainer.autocast)
+                            autocast=trainer.autocast, evaluates=trainer.train_module.evaluates)
     if env.is_main:
         Path(out).write_text(json.dumps({"batches": log, "eval": result.to_dict()}))
     print(f"rank {env.rank}: {log}", file=sys.stderr)

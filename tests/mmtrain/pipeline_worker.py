@@ -49,20 +49,24 @@ def reference(cfg, model, batches, steps, accum):
 
 def pipelined(cfg, model, batches, steps, accum, schedule, rank, world):
     from mmtrain.loop.pipeline_step import PipelineStep
-    from mmtrain.models.multimodal import MultimodalModel
     from mmtrain.objectives.balance import build_balancer
     from mmtrain.objectives.objective import Objective
     from mmtrain.optim import build_optimizer
     from mmtrain.parallel.distributed import DistEnv
     from mmtrain.parallel.pipeline import (
+        block_stage,
         build_stage_models,
         checkpoint_stages,
-        gather_full_model,
         pp_grad_norm,
+        stage_ranges,
+        stage_rank,
     )
+    from mmtrain.parallel.pipeline_replica import PipelineReplica
 
     device = torch.device("cpu")
-    parts = build_stage_models(model, schedule, rank, world, cfg.data.seq_len, cfg.dist.pp_vision_stage)
+    ranges = stage_ranges(model, schedule, world, cfg.data.seq_len, cfg.dist.pp_vision_stage)
+    replica = PipelineReplica(cfg.model, model.init_seed, rank == 0, device)  # before the split prunes
+    parts = build_stage_models(model, schedule, rank, world, cfg.data.seq_len, ranges=ranges)
     if cfg.dist.activation_checkpointing:
         checkpoint_stages(parts, device)
     last = next((p for p in parts if p.is_last), parts[-1])
@@ -86,8 +90,10 @@ def pipelined(cfg, model, batches, steps, accum, schedule, rank, world):
     bias = {str(i): m.router.expert_bias_E.tolist() for p in parts for i, m in p.moe_layers().items()}
     every = [None] * world
     dist.all_gather_object(every, bias)
-    full = gather_full_model(parts, None, MultimodalModel(cfg.model))  # every stage's weights, named
-    return out, {k: v for b in every for k, v in b.items()}, full
+    # every stage's weights, named, block by block into rank 0's host replica
+    owner = lambda name: stage_rank(schedule, block_stage(name, ranges), world)  # noqa: E731
+    replica.refresh(parts, owner, dist.group.WORLD)
+    return out, {k: v for b in every for k, v in b.items()}, replica.host_state() if rank == 0 else None
 
 
 def _balancer(cfg, build_balancer):
@@ -125,9 +131,10 @@ def main(config: str, out: str, schedule: str, steps: int) -> None:
     ref_model = copy.deepcopy(model)
     ref, ref_bias = reference(cfg, ref_model, batches, steps, accum)
     pp, pp_bias, full = pipelined(cfg, model, batches, steps, accum, schedule, rank, world)
-    ref_sd, full_sd = ref_model.state_dict(), full.state_dict()
-    weight_diff = max(float((ref_sd[k].double() - full_sd[k].double()).abs().max()) for k in ref_sd
-                      if k in full_sd and not k.startswith("visual_head.") and ref_sd[k].is_floating_point())
+    ref_sd, full_sd = ref_model.state_dict(), full or {}
+    weight_diff = max((float((ref_sd[k].double() - full_sd[k].double()).abs().max()) for k in ref_sd
+                       if k in full_sd and not k.startswith("visual_head.")
+                       and ref_sd[k].is_floating_point()), default=None)
     media = sum(int(b.grid_thw_M3.shape[0]) for b in batches)
     video = sum(int((b.modality_BS == 2).sum()) for b in batches)  # video tokens
     if rank == 0:
