@@ -57,6 +57,16 @@ def _exits(stderr: str) -> dict[int, tuple[str, float]]:
     return {int(r): (line, float(t)) for r, line, t in found}
 
 
+def _root_cause(stderr: str) -> tuple[int, int] | None:
+    """(rank, exit code) of the launcher's first observed failure: the warm launcher's one line, or
+    torchrun's block (MMTRAIN_COLD_LAUNCH=1)."""
+    warm = re.search(r"root cause \(first observed failure\): rank (\d+) .* exitcode (-?\d+)", stderr)
+    cold = re.search(r"Root Cause \(first observed failure\):.*?rank\s+: (\d+) .*?exitcode\s+: (-?\d+)",
+                     stderr, re.S)
+    found = warm or cold
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
 def _median_step(run) -> float:
     return statistics.median(r["step_s"] for r in step_records(run).values())
 
@@ -73,8 +83,7 @@ def test_sigkill_is_named_and_the_resume_is_exact(raw_for, tmp_path, ep2_ref):
     p = train(config, 4, "train.faults.kill_mid_step=5", "train.faults.rank=2", check=False)
     t_end = time.time()
     assert p.returncode != 0
-    root = r"root cause \(first observed failure\): rank 2 .* exitcode -9"
-    assert re.search(root, p.stderr), p.stderr[-3000:]
+    assert _root_cause(p.stderr) == (2, -9), p.stderr[-3000:]
     assert t_end - _fault_time(p.stderr, "SIGKILL mid-step 5") < 10  # every survivor gone
     assert checkpoint_names(run) == ["step_2", "step_4"]
     train(config, 4)
