@@ -7,16 +7,24 @@ this rank's decoder layers (all its stages' layers, in order) on the rank's data
 micro-batch, by the plan's usual trace (one layer per kind, scaled). Stated, not traced:
 
 - every stage is traced holding the vision encoder, the embedding and the LM head (only stage 0 /
-  the last stage hold them): an upper bound for the other stages' memory; their FLOPs are
+  the last stage hold them, and no stage the training-only visual head): their parameter,
+  gradient and optimizer-state bytes are taken off the stages that lack them (`absent_numel`, fp32
+  sharded over the stage's dense mesh, dp_shard x cp x tp, as the trainer's `shard_blocks`), so
+  the rank's bytes at rest are its stages' (tests/mmtrain/test_plan_pipeline.py compares them
+  with the trainer's PipelineModel); their activations stay an upper bound, their FLOPs are
   counted only on the stages that hold them;
 - `dist.pp_split: measured` cuts by times the trainer takes on the devices at launch: the plan
   cannot time, so it plans the FLOP split and says so (`split_by`);
 - a rank whose stages hold no decoder layer (the vision stage of 1F1B / GPipe under
   `dist.pp_vision_stage`) is traced with one layer (the model needs one): its memory and traffic
   an upper bound, its FLOPs not counted;
-- memory: the traced micro-batch's activations x the micro-batches in flight at the peak (GPipe:
-  all `grad_accum`; 1F1B and the looped / V schedules: pp - stage for the rank's first stage,
-  at most `grad_accum`);
+- memory: the traced micro-batch's activations (all the rank's layers) x the micro-batches in flight
+  at the peak, in those units, as torch's schedules order them (`in_flight`; tests/mmtrain/test_plan.py
+  counts the forwards not yet backwarded in torch's own per-rank action lists): GPipe all
+  `grad_accum`; 1F1B pp - rank; Interleaved1F1B (its warm-up forwards + 1) / v, the warm-up being
+  (v - 1) x the micro-batches a round + 2 (pp - 1 - rank) stage-forwards; ZBVZeroBubble
+  min(2 pp, m + 1 + rank) stage-forwards (pp rank-units once m >= 2 pp - 1); DualPipeV is
+  planned as ZBVZeroBubble, unverified;
 - per step: FLOPs, every per-layer collective x `grad_accum`: all-to-alls, all-gathers (FSDP
   reshards after each micro-batch's forward) and every collective on the tp / cp / seq groups
   (the activations' all-gathers and reduce-scatters); FSDP's gradient reduce-scatters, HSDP's
@@ -54,11 +62,42 @@ def stage_plan(cfg, dims) -> dict:
     ranges = split_layers(stage_costs(model, cfg.data.seq_len), pp * v, cfg.dist.pp_vision_stage)
     mine = stage_ids(schedule, dims.pp_rank, pp)
     layers = [i for s in mine for i in ranges[s]]
-    in_flight = m if schedule == "GPipe" else min(m, pp - dims.pp_rank)
+    in_flight = micro_batches_in_flight(schedule, pp, dims.pp_rank, m)
     return {"schedule": schedule, "stages": mine, "n_stages": pp * v, "layers": layers,
             "split": [[r.start, r.stop] for r in ranges], "split_by": cfg.dist.pp_split,
             "microbatches": m, "in_flight": in_flight,
             "bubble": (pp - 1) / (v * m + pp - 1)}
+
+
+def absent_numel(cfg, info: dict) -> int:
+    """Parameters (and persistent buffers) the traced stage holds but this rank's stages do not."""
+    from mmtrain.models.multimodal import MultimodalModel
+
+    with torch.device("meta"):
+        model = MultimodalModel(cfg.model)
+    dec, n_stages = model.decoder, info["n_stages"]
+    blocks = [model.visual_head]  # training-only: not staged
+    if 0 not in info["stages"]:
+        blocks += [model.vision, dec.embed]
+    if n_stages - 1 not in info["stages"]:
+        blocks += [dec.norm, dec.lm_head]
+    return sum(t.numel() for b in blocks if b is not None for t in b.state_dict().values())
+
+
+def micro_batches_in_flight(schedule: str, pp: int, rank: int, m: int) -> float:
+    """The most micro-batches whose activations rank `rank` holds at once, in units of one micro-batch
+    through all its stages (a stage-forward of a v-stage rank is 1 / v of one): module docstring."""
+    if schedule == "GPipe":
+        return float(m)
+    if schedule == "1F1B":
+        return float(min(m, pp - rank))
+    if schedule == "Interleaved1F1B":
+        v = 2
+        per_round = m // max(1, m // pp)
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+        return min(warmup + 1, m * v) / v
+    # ZBVZeroBubble (and DualPipeV, planned alike): its warm-up forwards, at most 2 pp stage-forwards
+    return min(2 * pp, m + 1 + rank, 2 * m) / 2
 
 
 def stage_config(cfg, info: dict):
@@ -93,6 +132,10 @@ def pipelined(trace, info: dict, cfg, dims, per_node: int):
                 for c, b in [v]}
     out.peak = dict(trace.peak)
     out.peak["activations"] = trace.peak.get("activations", 0) * info["in_flight"]
+    absent = absent_numel(cfg, info) * 4 / (dims.dp_shard * dims.cp * dims.tp)  # fp32 at rest, sharded
+    for key, per in (("parameters", 1), ("gradients", 1), ("optimizer state", 2)):  # AdamW: 2 moments
+        if out.peak.get(key):  # gradients: absent where the peak comes before the backward
+            out.peak[key] = max(0.0, out.peak[key] - per * absent)
     cuda_bf16 = cfg.train.device == "cuda" and cfg.train.dtype == "bfloat16"
     width = 2 if cuda_bf16 else 4
     h = cfg.data.batch_size * (cfg.data.seq_len // dims.seq_size) * cfg.model.decoder.dim * width + 2 * 4

@@ -112,7 +112,7 @@ def _pipeline(p: dict) -> list[str]:
         f"{p['split']}: the FLOP split; dist.pp_split: measured cuts by times taken at launch"
     return [f"pipeline: {p['schedule']}, stages {p['stages']} of {p['n_stages']} ({layers}; "
             f"split {split}), {p['microbatches']} "
-            f"micro-batches, {p['in_flight']} in flight at the peak, bubble {p['bubble']:.0%} (closed form "
+            f"micro-batches, {p['in_flight']:g} in flight at the peak, bubble {p['bubble']:.0%} (closed form "
             f"(pp - 1) / (v m + pp - 1), in the roofline's compute time)"]
 
 
