@@ -166,7 +166,7 @@ class Heartbeat:
         print(f"mmtrain: rank {self.rank}: {line}; exiting at t={time.time():.3f}", file=sys.stderr,
               flush=True)
         live = self.world - len(set(re.findall(r"rank (\d+) silent", line)))
-        deadline = time.monotonic() + 3 * self.cfg.interval_s
+        deadline = time.monotonic() + 3 * self.cfg.interval_s + 2.0  # a loaded host's late tick
         with contextlib.suppress(RuntimeError):  # a gone store: leave now
             left = self.store.add(LEFT, 1)
             while left < live and time.monotonic() < deadline:
