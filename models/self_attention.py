@@ -54,10 +54,8 @@ class SelfAttention(nn.Module):
         """q (B, H, S, E), k and v (B, K, S, E): QK-norm and rotary applied (what a KV cache keeps)."""
         B, S, _ = x_BSD.shape
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv_BSKRE = self.wqkv(x_BSD).view(B, S, K, H // K + 2, E)  # per group: r q heads, k, v
-        q_BSKrE, k_BSKE, v_BSKE = qkv_BSKRE.split([H // K, 1, 1], dim=3)
-        q_BHSE = q_BSKrE.reshape(B, S, H, E).transpose(1, 2)
-        k_BKSE, v_BKSE = (t.squeeze(3).transpose(1, 2) for t in (k_BSKE, v_BSKE))
+        q_BSHE, k_BSKE, v_BSKE = split_qkv(self.wqkv(x_BSD), H, K, E)
+        q_BHSE, k_BKSE, v_BKSE = (t.transpose(1, 2) for t in (q_BSHE, k_BSKE, v_BSKE))
         if self.q_norm is not None:
             q_BHSE, k_BKSE = self.q_norm(q_BHSE), self.k_norm(k_BKSE)
         q_BHSE = apply_rotary(q_BHSE, cos_B1SF, sin_B1SF)
@@ -75,6 +73,14 @@ class SelfAttention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
+
+
+def split_qkv(qkv_BSF: Tensor, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The grouped wqkv's output (B, S, (H + 2K) E) -> q (B, S, H, E), k and v (B, S, K, E)."""
+    B, S, _ = qkv_BSF.shape
+    H, K, E = n_heads, n_kv_heads, head_dim
+    q_BSKrE, k_BSK1E, v_BSK1E = qkv_BSF.view(B, S, K, H // K + 2, E).split([H // K, 1, 1], dim=3)
+    return q_BSKrE.reshape(B, S, H, E), k_BSK1E.squeeze(3), v_BSK1E.squeeze(3)
 
 
 def qkv_order(n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:

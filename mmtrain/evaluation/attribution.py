@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from mmtrain.models.attention import build_meta, recompute_probs
+from mmtrain.models.self_attention import split_qkv
 
 Tensor = torch.Tensor
 DEFAULT_METHOD = "grad"  # the most faithful on make train's val (docs/ATTENTION_MAPS.md, "Faithfulness")
@@ -70,8 +71,7 @@ class _Taps:
         H, K, E = dec.n_heads, dec.n_kv_heads, dec.head_dim
         for l, layer in enumerate(model.decoder.layers):
             def take_v(mod, inp, out, l=l):
-                B, S, _ = out.shape
-                self.v[l] = out.view(B, S, H + 2 * K, E)[:, :, H + K:].detach()  # (B, S, K, E)
+                self.v[l] = split_qkv(out, H, K, E)[2].detach()  # (B, S, K, E)
 
             def take_o(mod, inp, l=l):
                 self.o[l] = inp[0]  # (B, S, H * E)

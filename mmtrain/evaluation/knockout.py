@@ -173,7 +173,11 @@ def ratio_interval(num_W: np.ndarray, den_WN: np.ndarray, rng: np.random.Generat
 def grounding_faithfulness(model, docs, device, n_words: int, draws: int, seed: int = 0) -> dict:
     """The training diagnostics' number: the default method's deletion AUC over random orders' on
     the first n_words words of the pointing game's documents (pointing.GroundingDoc), model in eval
-    mode (unwrapped). {} without words."""
+    mode (unwrapped). {} without words, and under tensor parallelism (the taps would see this rank's
+    heads only)."""
+    dec = model.cfg.decoder
+    if any(layer.attn.n_heads != dec.n_heads for layer in model.decoder.layers):
+        return {}
     rng = np.random.default_rng(seed)
     num, den = [], []
     patch_dim = model.cfg.vision.patch_dim

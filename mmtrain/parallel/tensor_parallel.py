@@ -74,21 +74,32 @@ class TPComm:
         self.size = mesh.size()
         self.whole = False
 
-    def count(self, kind: str, x: Tensor) -> None:
+    def count(self, kind: str, x: Tensor) -> int:
         """Bytes this rank sends for a collective whose per-rank piece is `x` (ring algorithms)."""
+        nbytes = x.numel() * x.element_size() * (self.size - 1)
+        self.add(kind, nbytes)
+        return nbytes
+
+    def add(self, kind: str, nbytes: int) -> None:
         if self.traffic is not None:
-            self.traffic.add(kind, x.numel() * x.element_size() * (self.size - 1))
+            self.traffic.add(kind, nbytes)
+
+    def count_backward(self, y: Tensor, kind: str, nbytes: int) -> None:
+        """Count `nbytes` under `kind` when `y`'s gradient arrives (the collective backward runs). The
+        hook holds the int only: a tensor in it would live until backward (activation checkpointing
+        would keep every layer's)."""
+        if y.requires_grad and self.traffic is not None:
+            y.register_hook(lambda g: self.add(kind, nbytes))
 
     @torch._dynamo.disable  # a graph break: Dynamo cannot trace from_local on dynamic shapes
     def enter(self, x: Tensor, dim: int) -> DTensor:
         """Into a split layer: this rank's chunk all-gathered along `dim` (Replicate), or whole rows."""
         if self.whole:
             return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
-        self.count("tp_all_gather", x)
+        nbytes = self.count("tp_all_gather", x)
         full = DTensor.from_local(x, self.mesh, [Shard(dim)], run_check=False).redistribute(
             self.mesh, [Replicate()])
-        if full.requires_grad:  # its gradient leaves by a reduce-scatter of the same bytes
-            full.register_hook(lambda g: self.count("tp_reduce_scatter", x))
+        self.count_backward(full, "tp_reduce_scatter", nbytes)  # the same bytes, reduce-scattered
         return full
 
     @torch._dynamo.disable  # a graph break: Dynamo cannot trace from_local on dynamic shapes
@@ -98,9 +109,7 @@ class TPComm:
             self.count("tp_all_reduce", y.to_local())
             return y.redistribute(self.mesh, [Replicate()]).to_local()
         out = y.redistribute(self.mesh, [Shard(dim)]).to_local()
-        self.count("tp_reduce_scatter", out)
-        if out.requires_grad:  # its gradient arrives by an all-gather
-            out.register_hook(lambda g: self.count("tp_all_gather", out))
+        self.count_backward(out, "tp_all_gather", self.count("tp_reduce_scatter", out))
         return out
 
     @torch._dynamo.disable  # a graph break: Dynamo cannot trace from_local on dynamic shapes
