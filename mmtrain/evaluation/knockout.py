@@ -55,8 +55,11 @@ class Prepared:
 
     @classmethod
     @torch.no_grad()
-    def of(cls, model, inputs: dict[str, Tensor], word: WordSpan) -> Prepared:
-        visual_QD = model.vision(inputs["patches_NP"], inputs["grid_thw_M3"])
+    def of(cls, model, inputs: dict[str, Tensor], word: WordSpan,
+           visual_QD: Tensor | None = None) -> Prepared:
+        """visual_QD: the document's encoded media when its other words have them already."""
+        if visual_QD is None:
+            visual_QD = model.vision(inputs["patches_NP"], inputs["grid_thw_M3"])
         names = ("tokens_BS", "pos_ids_3BS", "doc_ids_BS", "span_ids_BS", "modality_BS")
         cut = {k: inputs[k][..., :word.end] for k in names}
         n_vis = int((cut["modality_BS"] != TEXT).sum())  # media after the word are cut away
@@ -188,9 +191,10 @@ def grounding_faithfulness(model, docs, device, n_words: int, draws: int, seed: 
             break
         inputs = {k: v.to(device) for k, v in assemble([[d.document]], len(d.document), 0, patch_dim)
                   .model_inputs().items()}
+        visual_QD = Prepared.of(model, inputs, spans[0]).visual_QD
         for w, maps in zip(spans, doc_attributions(model, inputs, spans)):
-            c = run_word(model, Prepared.of(model, inputs, w), {"map": order_of(maps[DEFAULT_METHOD], rng)},
-                         draws, rng, insertion=False)
+            c = run_word(model, Prepared.of(model, inputs, w, visual_QD),
+                         {"map": order_of(maps[DEFAULT_METHOD], rng)}, draws, rng, insertion=False)
             num.append(deletion_auc(c.full, c.deletion["map"]))
             den.append([deletion_auc(c.full, r) for r in c.random_del])
     if not num:
