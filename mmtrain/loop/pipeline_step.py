@@ -24,7 +24,7 @@ from mmtrain.models.multimodal import ModelOutput
 from mmtrain.parallel.pipeline import AUX_NAMES, StageModel, build_schedule, run_schedule
 
 # loss terms that need a second forward, extra rows or a stage they do not run on
-_REFUSED_TERMS = ("token_weighting", "visual_ssl", "visual_next", "contrast")
+_REFUSED_TERMS = ("token_weighting", "visual_ssl", "contrast")
 
 
 def check_pipeline_objective(objective) -> None:
@@ -77,7 +77,9 @@ class PipelineStep:
         obj = self.objective
         logits = None if obj.cfg.loss.ce_chunk else self.last.decoder.logits(h_BSD)
         aux = {name: aux_2[i] for i, name in enumerate(AUX_NAMES)}
-        mb.out = ModelOutput(logits, h_BSD, aux, None, None, {}, None)
+        pred_KT = (self.last.visual_next_pred(h_BSD, mb.inputs["modality_BS"], mb.inputs["grid_thw_M3"])
+                   if mb.kwargs.get("visual_next") else None)  # loss.visual_next: its head on this stage
+        mb.out = ModelOutput(logits, h_BSD, aux, None, None, {}, None, visual_next_KT=pred_KT)
         loss = obj.finish(mb)
         self._loss = self._loss + loss.detach().double() / self.accum
         return loss * (obj.data_world / self.accum)

@@ -202,7 +202,8 @@ class StageModel(nn.Module):
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         dec = model.decoder
         self.vision = model.vision if self.is_first else None
-        self.visual_head = None
+        # loss.visual_next's head reads the final hidden states: on the last stage, beside the LM head
+        self.visual_head = model.visual_head if self.is_last else None
         self.encode_media = None
         kept = nn.ModuleDict({str(i): dec.layers[i] for i in layers})  # names as in the full model
         dec.layers = kept
@@ -216,6 +217,11 @@ class StageModel(nn.Module):
         self.records: list[dict] = []  # per micro-batch forward: {layer: (load_3E, entropy_3)}
         self.measure_attn = False  # a log step (set by loop/pipeline_step.py): count what attention visits
         self.attn_records: list[dict] = []  # per micro-batch forward: {layer: attention/counts.py's counts}
+
+    def visual_next_pred(self, hidden_BSD: Tensor, modality_BS: Tensor, grid_thw_M3: Tensor) -> Tensor:
+        """The last stage's visual head on its hidden states (MultimodalModel.visual_next_pred, this
+        stage's row shard under tp / cp)."""
+        return MultimodalModel.visual_next_pred(self, hidden_BSD, modality_BS, grid_thw_M3, self.context)
 
     def moe_layers(self) -> dict[int, MoE]:
         return {i: self.decoder.layers[str(i)].ffn for i in self.layer_ids
@@ -316,7 +322,7 @@ def block_stage(name: str, ranges: list[range]) -> int:
     if name.startswith("decoder.layers."):
         i = int(name.rsplit(".", 1)[1])
         return next(s for s, r in enumerate(ranges) if i in r)
-    return len(ranges) - 1  # the final norm and the LM head
+    return len(ranges) - 1  # the final norm, the LM head and the visual head
 
 
 def checkpoint_stages(parts: list[StageModel], device: torch.device) -> None:

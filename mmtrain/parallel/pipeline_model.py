@@ -80,6 +80,7 @@ class StageUnion(nn.Module):
         self.decoder.layers = nn.ModuleDict(layers)
         self.decoder.norm = last.decoder.norm if last is not None else None
         self.decoder.lm_head = last.decoder.lm_head if last is not None else None
+        self.visual_head = last.visual_head if last is not None else None
 
 
 class PipelineModel:

@@ -41,12 +41,11 @@ Tensor = torch.Tensor
 
 def block_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The blocks a model or pipeline stage holds, by the names both share: `vision`,
-    `decoder.embed`, `decoder.layers.<i>`, `decoder.norm`, `decoder.lm_head` (training-only heads
-    are not staged, so not here)."""
+    `decoder.embed`, `decoder.layers.<i>`, `decoder.norm`, `decoder.lm_head`, `visual_head`."""
     dec = model.decoder
     out = {"vision": model.vision, "decoder.embed": dec.embed}
     out |= {f"decoder.layers.{i}": layer for i, layer in dec.numbered_layers()}
-    out |= {"decoder.norm": dec.norm, "decoder.lm_head": dec.lm_head}
+    out |= {"decoder.norm": dec.norm, "decoder.lm_head": dec.lm_head, "visual_head": model.visual_head}
     return {k: m for k, m in out.items() if m is not None}
 
 

@@ -7,7 +7,7 @@ this rank's decoder layers (all its stages' layers, in order) on the rank's data
 micro-batch, by the plan's usual trace (one layer per kind, scaled). Stated, not traced:
 
 - every stage is traced holding the vision encoder, the embedding and the LM head (only stage 0 /
-  the last stage hold them, and no stage the training-only visual head): their parameter,
+  the last stage hold them, the visual head too), their parameter,
   gradient and optimizer-state bytes are taken off the stages that lack them (`absent_numel`, fp32
   sharded over the stage's dense mesh, dp_shard x cp x tp, as the trainer's `shard_blocks`), so
   the rank's bytes at rest are its stages' (tests/mmtrain/test_plan_pipeline.py compares them
@@ -76,11 +76,11 @@ def absent_numel(cfg, info: dict) -> int:
     with torch.device("meta"):
         model = MultimodalModel(cfg.model)
     dec, n_stages = model.decoder, info["n_stages"]
-    blocks = [model.visual_head]  # training-only: not staged
+    blocks = []
     if 0 not in info["stages"]:
         blocks += [model.vision, dec.embed]
     if n_stages - 1 not in info["stages"]:
-        blocks += [dec.norm, dec.lm_head]
+        blocks += [dec.norm, dec.lm_head, model.visual_head]
     return sum(t.numel() for b in blocks if b is not None for t in b.state_dict().values())
 
 
