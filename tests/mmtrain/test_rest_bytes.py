@@ -1,8 +1,8 @@
 """What FSDP, EP and TP keep per rank at rest: parameter and buffer bytes of the trainer's model
 (`parallelize.build_model`) on torch's fake process group, rank 0 of N. Each shards over the world
-(FSDP2 over fsdp, the experts over ep then efsdp, tp inside fsdp), so a rank holds 1/N of one
-process's bytes at N = 2 and 4, the experts 1/N too. (What TP still does not save is its gathered
-weights and their traffic: test_plan.py; PP's replica: test_pipeline_memory.py.)"""
+(FSDP2 over fsdp, the experts over ep then efsdp; at TP(N) the split layers' weights Shard over tp,
+the rest FSDP over dp x tp), so a rank holds 1/N of one process's bytes at N = 2 and 4, the experts
+1/N too. (TP's gathered weights and their traffic over the same ranks: test_tp_scaling.py.)"""
 
 from __future__ import annotations
 
