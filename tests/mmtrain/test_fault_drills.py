@@ -176,3 +176,18 @@ def test_torchrun_restarts_the_job_and_the_resume_is_exact(raw_for, tmp_path, ep
         assert sorted(exits) == [0, 2, 3] and all("rank 1 silent" in line for line, _ in exits.values())
     _resumed(run, ep2_ref, 4)
     assert checkpoint_names(run) == ["step_2", "step_4", "step_6", "step_8"]
+
+
+# slow (a compile on every rank): test_a_slow_but_live_rank_is_never_named keeps the path, a first
+# step that holds the GIL past the floor
+@pytest.mark.slow
+def test_a_real_first_compile_is_never_named(raw_for, tmp_path):
+    """dist.compile (aot_eager: Dynamo's trace and AOT autograd, no code generation) on 2 ranks: the
+    first eval and the first step compile on both, past the drills' 3 s floor; the heartbeat stays
+    quiet."""
+    run = tmp_path / "run"
+    config = write_config(raw_for, run, ["data.batch_size=1", "train.steps=3"])
+    p = train(config, 2, "dist.compile=true", "dist.compile_backend=aot_eager", *FAST_HB)
+    assert "heartbeat:" not in p.stderr
+    assert sorted(step_records(run)) == [1, 2, 3]
+    assert step_records(run)[1]["step_s"] > 3  # the compile did outlast the floor
