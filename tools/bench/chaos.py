@@ -17,6 +17,8 @@ The harness reads the launch's output line by line as it arrives and times:
 
 The outer timeout (--timeout per launch) must never fire: a launch it ends is counted as a hang.
 Every fault's record is appended to --out as it finishes; the table at the end reads that file.
+The runs train the committed code (HEAD, copied once): the reference and every fault must run the
+same code, and a working tree may change under a run of many minutes.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ RUN = ["data.num_workers=0", "data.batch_size=1", "data.seq_len=192", "data.shuf
        "train.log_every=1", "train.ckpt_every=2", "train.keep_last=8", "train.threads=1",
        "dist.ep=2", "dist.timeout_s=60"]
 ACTED = re.compile(r"heartbeat: |closing signal|Worker group FAILED")
+# setup.py's ROOTS: an editable install maps these to the checkout's folders, whatever the cwd
+MAPPED = {"models": "../models", "data_pipelines": "../data_pipelines",
+          "attention_maps": "../tools/attention_maps"}
 
 
 def fault_sets(kind: str, step: int, rank: int) -> list[str]:
@@ -73,16 +78,28 @@ def draw(rng: random.Random, steps: int, every: int) -> tuple[str, int, int]:
     return kind, step, rng.randrange(NPROC)
 
 
-def launch(config: Path, sets: list[str], timeout: float) -> tuple[int | None, list[tuple[float, str]]]:
-    """torchrun --max-restarts 1 on `config`; -> (exit code, None if the timeout ended it; the output
-    lines with their arrival times)."""
+def frozen(root: Path) -> Path:
+    """HEAD's files in root/src, with links that make its own folders the mapped packages (links in
+    its `mmtrain` are found before the editable install's mapping to the working tree)."""
+    src = root / "src"
+    src.mkdir()
+    tar = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=tar, check=True)
+    for name, target in MAPPED.items():
+        (src / "mmtrain" / name).symlink_to(target)
+    return src
+
+
+def launch(src: Path, config: Path, sets: list[str], timeout: float) -> tuple[int | None, list]:
+    """torchrun --max-restarts 1 on `config`, in the code of `src`; -> (exit code, None if the timeout
+    ended it; the output lines with their arrival times)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
            "--max-restarts=1", "--monitor-interval=0.2", "-m", "mmtrain.train", str(config), "--quiet",
            *[a for s in sets for a in ("--set", s)]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
     lines: list[tuple[float, str]] = []
-    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    with subprocess.Popen(cmd, cwd=src, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True) as p:
         read = lambda: lines.extend((time.time(), ln) for ln in p.stdout)  # noqa: E731
         reader = threading.Thread(target=read, daemon=True)
@@ -194,8 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
         root = Path(tmp)
-        config = setup(root, args.corpus, args.steps)
-        code, _ = launch(config, [f"run_dir={root / 'ref'}", *args.sets], args.timeout)
+        config, src = setup(root, args.corpus, args.steps), frozen(root)
+        code, _ = launch(src, config, [f"run_dir={root / 'ref'}", *args.sets], args.timeout)
         assert code == 0, "the uninterrupted reference run failed"
         ref = losses(root / "ref")
         median_step = statistics.median(r["step_s"] for r in ref.values())
@@ -204,8 +221,8 @@ def main(argv: list[str] | None = None) -> None:
             kind, step, rank = draw(rng, args.steps, 2)
             run_dir = root / f"run{i}"
             t0 = time.monotonic()
-            code, lines = launch(config, [f"run_dir={run_dir}", *fault_sets(kind, step, rank), *args.sets],
-                                 args.timeout)
+            sets = [f"run_dir={run_dir}", *fault_sets(kind, step, rank), *args.sets]
+            code, lines = launch(src, config, sets, args.timeout)
             rec = {"i": i, **judge(kind, step, rank, code, lines, run_dir, ref),
                    "wall_s": round(time.monotonic() - t0, 1)}
             records.append(rec)
