@@ -45,6 +45,12 @@ def order_of(map_V: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return perm[np.argsort(-np.asarray(map_V)[perm], kind="stable")]
 
 
+@torch.no_grad()
+def encode_media(model, inputs: dict[str, Tensor]) -> Tensor:
+    """(Q, D) every medium of the document, as the decoder receives them."""
+    return model.vision(inputs["patches_NP"], inputs["grid_thw_M3"])
+
+
 @dataclass
 class Prepared:
     """One word's document, cut after the word, with its visual tokens encoded once."""
@@ -57,9 +63,9 @@ class Prepared:
     @torch.no_grad()
     def of(cls, model, inputs: dict[str, Tensor], word: WordSpan,
            visual_QD: Tensor | None = None) -> Prepared:
-        """visual_QD: the document's encoded media when its other words have them already."""
+        """visual_QD: the whole document's encoded media (`encode_media`), when already at hand."""
         if visual_QD is None:
-            visual_QD = model.vision(inputs["patches_NP"], inputs["grid_thw_M3"])
+            visual_QD = encode_media(model, inputs)
         names = ("tokens_BS", "pos_ids_3BS", "doc_ids_BS", "span_ids_BS", "modality_BS")
         cut = {k: inputs[k][..., :word.end] for k in names}
         n_vis = int((cut["modality_BS"] != TEXT).sum())  # media after the word are cut away
@@ -191,7 +197,7 @@ def grounding_faithfulness(model, docs, device, n_words: int, draws: int, seed: 
             break
         inputs = {k: v.to(device) for k, v in assemble([[d.document]], len(d.document), 0, patch_dim)
                   .model_inputs().items()}
-        visual_QD = Prepared.of(model, inputs, spans[0]).visual_QD
+        visual_QD = encode_media(model, inputs)
         for w, maps in zip(spans, doc_attributions(model, inputs, spans)):
             c = run_word(model, Prepared.of(model, inputs, w, visual_QD),
                          {"map": order_of(maps[DEFAULT_METHOD], rng)}, draws, rng, insertion=False)

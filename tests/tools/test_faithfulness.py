@@ -103,3 +103,22 @@ def test_diagnostics_record_the_default_maps_deletion_ratio():
     f = grounding_faithfulness(model, docs, "cpu", n_words=6, draws=5)
     assert f["method"] == DEFAULT_METHOD and f["words"] == 6 and np.isfinite(f["deletion_z"])
     assert grounding_faithfulness(model, docs, "cpu", n_words=0, draws=5) == {}
+
+
+def test_words_after_a_later_medium_keep_its_tokens():
+    """An interleaved document: a word describing the second image is cut after it, with both media's
+    tokens (the first image's words without the second's)."""
+    from mmtrain.attention_maps.inputs import build_doc_inputs
+    from mmtrain.data_pipelines.batch import IMAGE
+    from mmtrain.data_pipelines.preprocess import Decoded
+    from tests.tools.test_attention_maps import DATA, TOK, _frames
+
+    segs = [Decoded(IMAGE, _frames(1)), "a red circle.", Decoded(IMAGE, _frames(1)), "a blue star."]
+    doc = build_doc_inputs("inter", "interleaved", segs, TOK, DATA, None, [OBJECTS[:1], OBJECTS[1:]])
+    model = _model("gather").eval()
+    words = doc_words(model, doc, "cpu")
+    assert {sw.word for sw in words} >= {"red", "blue"}
+    for sw in words:
+        n = sw.span.n_vis
+        assert sw.prepared.visual_QD.shape[0] == int((sw.prepared.inputs["modality_BS"] != 0).sum())
+        assert np.isfinite(knocked_logprobs(model, sw.prepared, np.zeros((1, n), bool))).all()

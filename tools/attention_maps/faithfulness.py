@@ -33,6 +33,7 @@ from mmtrain.evaluation.knockout import (
     Prepared,
     WordCurves,
     deletion_auc,
+    encode_media,
     excess_z,
     insertion_auc,
     order_of,
@@ -74,7 +75,7 @@ def doc_words(model, doc: DocInputs, device) -> list[ScoredWord]:
         return []
     inputs = {k: v.to(device) for k, v in doc.batch.model_inputs().items()}
     maps = doc_attributions(model, inputs, spans)
-    visual_QD = Prepared.of(model, inputs, spans[0]).visual_QD  # the media, encoded once a document
+    visual_QD = encode_media(model, inputs)  # once a document; each word's cut keeps what precedes it
     return [ScoredWord(doc.name, m.kind_name, w.text, cat, s, m, obj, mp, inputs,
                        Prepared.of(model, inputs, s, visual_QD))
             for (w, obj, cat, m), s, mp in zip(picked, spans, maps)]
