@@ -216,19 +216,39 @@ class Decoder(nn.Module):
         if context is not None and (capture_layers or attn_stats):
             raise ValueError("attend: capture and stats need whole rows (run without context parallelism)")
         if context is not None:
-            if visual_QD is not None:
-                visual_QD = local_visual(modality_BS, visual_QD, context.lo, context.hi)
-            tokens_BS, modality_BS = context.local(tokens_BS), context.local(modality_BS)
-            pos_ids_3BS = context.rotary_local(pos_ids_3BS)  # the chunk(s) the attention projects
-        h_BSD = self.embed(tokens_BS)
-        if visual_QD is not None:
-            h_BSD = scatter_visual(h_BSD, modality_BS, visual_QD)
-        cos_B1SF, sin_B1SF = self.rotary(pos_ids_3BS)
+            tokens_BS, modality_BS, pos_ids_3BS, visual_QD = self.shard_inputs(
+                context, tokens_BS, modality_BS, pos_ids_3BS, visual_QD)
+        h_BSD = self.embed_tokens(tokens_BS, modality_BS, visual_QD)
         captures = {i: {} for i in (capture_layers or ())}
         stats = {i: {} for i in range(len(self.layers))} if attn_stats else {}
+        h_BSD, aux_losses, load, entropy = self.run_layers(h_BSD, pos_ids_3BS, meta, modality_BS, context,
+                                                           captures, stats)
+        return DecoderOutput(self.norm(h_BSD), aux_losses, load or None, entropy or None, captures, stats)
+
+    def shard_inputs(self, context: ContextShard, tokens_BS: Tensor | None, modality_BS: Tensor,
+                     pos_ids_3BS: Tensor, visual_QD: Tensor | None) -> tuple:
+        """Whole rows -> this rank's chunk (context / sequence parallelism): its tokens (None stays
+        None: a later pipeline stage, whose input is the chunk already), modality and visual tokens,
+        and the positions whose rotary tables its attention projects."""
+        if visual_QD is not None:
+            visual_QD = local_visual(modality_BS, visual_QD, context.lo, context.hi)
+        tokens_BS = None if tokens_BS is None else context.local(tokens_BS)
+        return tokens_BS, context.local(modality_BS), context.rotary_local(pos_ids_3BS), visual_QD
+
+    def embed_tokens(self, tokens_BS: Tensor, modality_BS: Tensor, visual_QD: Tensor | None) -> Tensor:
+        """The token embedding with the visual tokens scattered into their placeholders."""
+        h_BSD = self.embed(tokens_BS)
+        return h_BSD if visual_QD is None else scatter_visual(h_BSD, modality_BS, visual_QD)
+
+    def run_layers(self, h_BSD: Tensor, pos_ids_3BS: Tensor, meta, modality_BS: Tensor,
+                   context: ContextShard | None, captures: dict, stats: dict) -> tuple:
+        """The layers this decoder holds (all, or a pipeline stage's: `numbered_layers`) on h_BSD ->
+        (h_BSD before the final norm, {aux loss: sum over them}, {layer: load_3E},
+        {layer: router_entropy_3}); fills `captures` / `stats` for the layers keyed there."""
+        cos_B1SF, sin_B1SF = self.rotary(pos_ids_3BS)
         aux_losses: dict[str, Tensor] = {}
         load, entropy = {}, {}
-        for i, layer in enumerate(self.layers):  # the layer as wrapped (compiled, FSDP): its hooks run
+        for i, layer in self.numbered_layers():  # the layer as wrapped (compiled, FSDP): its hooks run
             h_BSD, aux, qk = layer(h_BSD, cos_B1SF, sin_B1SF, meta, self.cfg.attention, modality_BS,
                                    i in captures or i in stats, context)
             if qk:  # eager, outside the compiled layer (the selection reads the host)
@@ -240,7 +260,7 @@ class Decoder(nn.Module):
                 load[i], entropy[i] = aux["load_3E"], aux["router_entropy_3"]
                 if self.training:  # here, not in the layer: activation checkpointing replays layers
                     layer.ffn.accumulate_load(aux["load_3E"])
-        return DecoderOutput(self.norm(h_BSD), aux_losses, load or None, entropy or None, captures, stats)
+        return h_BSD, aux_losses, load, entropy
 
     def logits(self, hidden_BSD: Tensor) -> Tensor:
         if self.lm_head is not None:  # the module's call (its hooks run: pipeline_replica.Streamed)

@@ -56,10 +56,8 @@ from torch.distributed.pipelining.schedules import (
 
 from mmtrain.errors import UserError
 from mmtrain.models.attention import build_meta
-from mmtrain.models.attention.api import measure
 from mmtrain.models.attention.context import ContextShard
 from mmtrain.models.counting import _inactive_routed, _matmul_params, attention_keys, flops_per_token
-from mmtrain.models.decoder import local_visual, scatter_visual
 from mmtrain.models.moe import MoE
 from mmtrain.models.multimodal import MultimodalModel, seeded_init
 from mmtrain.parallel import pipeline_p2p
@@ -236,37 +234,28 @@ class StageModel(nn.Module):
                 grid_thw_M3: Tensor) -> tuple[Tensor, Tensor]:
         dec, shard = self.decoder, self.context
         meta = build_meta(doc_ids_BS, span_ids_BS, dec.cfg.attention.block_size)  # rebuilt per stage
+        visual_ND = None
         if self.is_first:
             encode = self.encode_media if self.training and self.encode_media is not None else None
             visual_ND = (self.vision(patches_NP, grid_thw_M3) if encode is None
                          else encode(self.vision, patches_NP, grid_thw_M3, modality_BS))
-            if shard is not None:  # the chunk's tokens and the visual tokens placed in it (Decoder's way)
-                visual_ND = local_visual(modality_BS, visual_ND, shard.lo, shard.hi)
-                x = shard.local(x)
-        if shard is not None:  # meta stays the whole rows'; x (past stage 0) is the chunk already
-            modality_BS, pos_ids_3BS = shard.local(modality_BS), shard.local(pos_ids_3BS, dim=2)
+        if shard is not None:  # meta stays the whole rows'; x past stage 0 is the chunk already
+            tokens, modality_BS, pos_ids_3BS, visual_ND = dec.shard_inputs(
+                shard, x if self.is_first else None, modality_BS, pos_ids_3BS, visual_ND)
+            x = tokens if self.is_first else x
         if self.is_first:
-            h_BSD = scatter_visual(dec.embed(x), modality_BS, visual_ND)
+            h_BSD = dec.embed_tokens(x, modality_BS, visual_ND)
             aux_2 = h_BSD.new_zeros(len(AUX_NAMES), dtype=torch.float32)
         else:
             h_BSD = x
-        cos_B1SF, sin_B1SF = dec.rotary(pos_ids_3BS)
-        record, attn = {}, {}
-        for i in self.layer_ids:
-            layer = dec.layers[str(i)]
-            h_BSD, aux, qk = layer(h_BSD, cos_B1SF, sin_B1SF, meta, dec.cfg.attention, modality_BS,
-                                   self.measure_attn, shard)
-            if qk:  # eager, outside the (compiled) layer, as Decoder.forward does
-                attn[i] = {}
-                measure(qk["q"], qk["k"], meta, dec.cfg.attention, dec.cfg.is_sparse(i), None, attn[i])
-            if aux:
-                aux_2 = aux_2 + torch.stack([aux[n].float() for n in AUX_NAMES])
-                record[i] = (aux["load_3E"].detach(), aux["router_entropy_3"].detach())
-                if self.training:
-                    layer.ffn.accumulate_load(aux["load_3E"])
-        self.records.append(record)
-        if attn:
-            self.attn_records.append(attn)
+        stats = {i: {} for i in self.layer_ids} if self.measure_attn else {}
+        # Decoder.forward's own layer loop over this stage's layers (the one forward, models/decoder.py)
+        h_BSD, aux, load, entropy = dec.run_layers(h_BSD, pos_ids_3BS, meta, modality_BS, shard, {}, stats)
+        if aux:
+            aux_2 = aux_2 + torch.stack([aux[n].float() for n in AUX_NAMES])
+        self.records.append({i: (load[i].detach(), entropy[i].detach()) for i in load})
+        if stats:
+            self.attn_records.append(stats)
         if self.is_last:
             h_BSD = dec.norm(h_BSD)
         return h_BSD, aux_2
