@@ -31,7 +31,7 @@ from mmtrain.models.attention import build_meta, recompute_probs
 from mmtrain.models.self_attention import split_qkv
 
 Tensor = torch.Tensor
-DEFAULT_METHOD = "grad"  # the most faithful on make train's val (docs/ATTENTION_MAPS.md, "Faithfulness")
+DEFAULT_METHOD = "grad L1"  # the most faithful on make train's val (docs/ATTENTION_MAPS.md, "Faithfulness")
 
 
 @dataclass

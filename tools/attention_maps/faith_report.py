@@ -28,7 +28,7 @@ def curves_figure(faith: dict, path: Path, top: int = 4) -> Path:
     others, random orders (mean, 95% band over draws) and the box oracle."""
     plt, fig, (ax_d, ax_i) = _axes(2)
     ms = faith["methods"]
-    named = [faith["default"]] + [k for k in sorted(ms, key=lambda k: -ms[k]["deletion_ratio"])
+    named = [faith["default"]] + [k for k in sorted(ms, key=lambda k: -ms[k]["deletion_z"])
                                   if k not in (faith["default"], ORACLE)][:top - 1]
     rnd = faith["random"]
     lo, hi = rnd["deletion_curve_95"]
@@ -85,11 +85,12 @@ def table(faith: dict) -> str:
         rho = "".join(f"<td>{_f(r.get(k))}{' ⚑' if k in flagged and (r.get(k) or 0) >= 0.3 else ''}</td>"
                       for r in san.values())
         rows.append(f"<tr><td>{name}</td><td>{_f(m['deletion_auc'], 3)}</td><td>{_f(m['deletion_ratio'])} "
-                    f"[{_f(lo)}, {_f(hi)}]</td><td>{_f(m['oracle_ratio'])}</td>"
+                    f"[{_f(lo)}, {_f(hi)}]</td><td>{_f(m['deletion_z'], 1)}</td>"
+                    f"<td>{_f(m['oracle_ratio'])}</td>"
                     f"<td>{_f(m['insertion_20'])}</td>"
                     f"<td>{_f(m['insertion_auc'])}</td>{rho}</tr>")
     r = faith["random"]
-    return ("<table><tr><th>method</th><th>deletion AUC (nats)</th><th>÷ random [95%]</th>"
+    return ("<table><tr><th>method</th><th>deletion AUC (nats)</th><th>÷ random [95%]</th><th>z</th>"
             "<th>÷ box oracle</th>"
             f"<th>insertion @20%</th><th>insertion AUC</th>{head}</tr>{''.join(rows)}</table>"
             f"<p class=note>{faith['words']} words, {faith['draws']} random orders a word: random "

@@ -7,7 +7,7 @@ methods of mmtrain/evaluation/attribution.py give maps over the medium's tokens;
 box, per slice for video) are knocked out. Aggregates per method (ratio of sums over words):
   deletion_ratio   deletion AUC / the random orders' (95% bootstrap interval over words and draws);
   deletion_z       (deletion AUC - the random orders') / the spread of the random orders' over draws;
-  oracle_ratio     deletion AUC / the box oracle's;
+  oracle_ratio     deletion AUC / the box oracle's (NaN where the oracle's is not positive);
   insertion_20     (lp with only the top 20% kept - lp all masked) / (full - all masked);
   insertion_auc    insertion AUC / (full - all masked).
 
@@ -126,14 +126,16 @@ def summarize(words: list[ScoredWord], methods: list[str], rng: np.random.Genera
         out["methods"][k] = {
             "deletion_auc": float(del_W.mean()), "deletion_ratio": ratio, "deletion_ratio_95": [lo, hi],
             "deletion_z": excess_z(del_W, rnd_WN),
-            "oracle_ratio": float(del_W.sum() / max(oracle_W.sum(), 1e-12)),
+            "oracle_ratio": float(del_W.sum() / oracle_W.sum()) if oracle_W.sum() > 0 else float("nan"),
             "insertion_auc": float(ins_W.sum() / max(gap_W.sum(), 1e-12)),
             "insertion_20": float(sum(c.insertion[k][i20] - c.empty for c in cs) / max(gap_W.sum(), 1e-12)),
             "deletion_curve": _mean_drop(cs, k, full_W),
             "insertion_curve": [float(np.mean([c.insertion[k][i] - c.empty for c in cs]))
                                 for i in range(len(FRACS))],
         }
-    ranked = sorted(methods, key=lambda k: -out["methods"][k]["deletion_ratio"])
+    # by z: defined whatever the sign of the random orders' AUC (a ratio is not, where random
+    # deletion raises the word's log-probability)
+    ranked = sorted(methods, key=lambda k: -out["methods"][k]["deletion_z"])
     out["best"] = ranked[0]
     out["runner_up"] = ranked[1] if len(ranked) > 1 else None
     out["default"] = DEFAULT_METHOD

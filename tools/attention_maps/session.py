@@ -255,9 +255,11 @@ def _faith_lines(metrics: dict) -> list[str]:
         m = f["methods"][k]
         lo, hi = m["deletion_ratio_95"]
         tag = " (default)" if k == f["default"] else " (best)"
-        lines.append(f"faithfulness {k}{tag}: deletion AUC {m['deletion_ratio']:.2f}x random "
-                     f"[95% {lo:.2f}, {hi:.2f}], {m['oracle_ratio']:.2f}x box oracle, insertion@20% "
-                     f"{m['insertion_20']:.2f} of the medium's worth; {f['words']} words")
+        lines.append(f"faithfulness {k}{tag}: deletion AUC {m['deletion_auc']:.3f} nats = "
+                     f"{m['deletion_ratio']:.2f}x random [95% {lo:.2f}, {hi:.2f}] (random "
+                     f"{f['random']['deletion_auc']:.3f}, z {m['deletion_z']:.1f}), {m['oracle_ratio']:.2f}x "
+                     f"box oracle, insertion@20% {m['insertion_20']:.2f} of the medium's worth; "
+                     f"{f['words']} words")
     if "sanity" in f:
         lines.append("sanity (Spearman >= 0.3 after randomisation): " + (", ".join(f["sanity"]["flagged"]) or
                                                                          "no method flagged"))
