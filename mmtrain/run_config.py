@@ -156,9 +156,6 @@ class RunConfig:
         if self.loss.token_weighting.strength:
             raise ValueError("dist.cp: > 1 does not combine with loss.token_weighting (it takes "
                              "whole-row forwards of its own)")
-        if self.loss.contrast.weight:
-            raise ValueError("dist.cp: > 1 does not combine with loss.contrast (its swapped-media copies "
-                             "are whole rows added to the forward)")
 
     def _check_objectives(self) -> None:
         if self.loss.visual_ssl.weight > 0 and not self.model.vision.ssl_head:

@@ -26,6 +26,7 @@ import torch
 
 from mmtrain.checks import check
 from mmtrain.data_pipelines.batch import PackedBatch
+from mmtrain.models.attention.context import ContextShard
 from mmtrain.objectives.mismatch import document_keys, mismatch_media
 from mmtrain.objectives.sums import Sums
 from mmtrain.objectives.terms import cat_rows, media_tokens, take_rows
@@ -87,21 +88,37 @@ def extend(batch: PackedBatch) -> tuple[PackedBatch, ContrastRows | None]:
     return cat_rows(batch, copy), rows
 
 
-def document_gaps(ce_real_RS: torch.Tensor, ce_swap_RS: torch.Tensor, rows: ContrastRows) -> torch.Tensor:
-    """(D,) per contrasted document: mean over its selected tokens of swapped CE - own CE."""
+def document_gaps(ce_real_RS: torch.Tensor, ce_swap_RS: torch.Tensor, rows: ContrastRows,
+                  context: ContextShard | None = None) -> torch.Tensor:
+    """(D,) per contrasted document: mean over its selected tokens of swapped CE - own CE.
+
+    With `context` the CEs are this rank's chunk [lo, hi) of each row (the copies are rows like any
+    other, split where the originals are): the documents are numbered from the whole rows, as on
+    every rank of the group; each rank sums its chunk's tokens per document, and the group's sum
+    is its value, its gradient flowing into this rank's tokens only (the others' share enters
+    detached: each rank backwards its own tokens, the group's gradients add up to the whole row's)."""
     sel_RS = rows.selected_RS
     _, doc_T = torch.unique(document_keys(rows.doc_ids_RS)[sel_RS], return_inverse=True)
-    diff_T = (ce_swap_RS - ce_real_RS)[sel_RS]
-    n_D = torch.bincount(doc_T).to(diff_T.dtype)
-    return torch.zeros_like(n_D).index_add_(0, doc_T, diff_T) / n_D
+    n_D = torch.bincount(doc_T).to(ce_swap_RS.dtype)
+    if context is None:
+        diff_T = (ce_swap_RS - ce_real_RS)[sel_RS]
+        return torch.zeros_like(n_D).index_add_(0, doc_T, diff_T) / n_D
+    doc_RS = torch.full(sel_RS.shape, -1, dtype=doc_T.dtype, device=doc_T.device)
+    doc_RS[sel_RS] = doc_T
+    sel_Rs = sel_RS[:, context.lo:context.hi]
+    diff_t = (ce_swap_RS - ce_real_RS)[sel_Rs]
+    mine_D = torch.zeros_like(n_D).index_add_(0, doc_RS[:, context.lo:context.hi][sel_Rs], diff_t)
+    group_D = context.comm.sum_(mine_D.detach().clone())
+    return (mine_D + (group_D - mine_D.detach())) / n_D
 
 
 def contrast_term(ce_own_BS: torch.Tensor, ce_swap_RS: torch.Tensor, rows: ContrastRows, margin: float,
-                  sums: ContrastSums) -> torch.Tensor:
+                  sums: ContrastSums, context: ContextShard | None = None) -> torch.Tensor:
     """The mean hinge over the contrasted documents (with its graph); the step's figures -> sums
     (tensors: read at the step's end). `ce_own_BS`: the batch's own rows' per-token CE, `ce_swap_RS`
-    the copies' (both with their graphs; the loss's head gives them, full or chunked)."""
-    gap_D = document_gaps(ce_own_BS[rows.own_R], ce_swap_RS, rows)
+    the copies' (both with their graphs; the loss's head gives them, full or chunked). With `context`
+    (a row split over cp / tp ranks) the CEs are this rank's chunk: see `document_gaps`."""
+    gap_D = document_gaps(ce_own_BS[rows.own_R], ce_swap_RS, rows, context)
     hinge_D = (margin - gap_D).clamp(min=0)
     term = hinge_D.mean()
     sums.term += term.detach().double()

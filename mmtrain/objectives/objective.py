@@ -185,11 +185,11 @@ class Objective:
     def prepare(self, batch: PackedBatch, sums: StepSums) -> MicroBatch:
         """The micro-batch before its forward: global counts, the terms' `before_forward` hooks.
         (A pipeline prepares every micro-batch of the step first: loop/pipeline_step.py.)"""
-        world, inputs = self.data_world, batch.model_inputs()
+        world, inputs, whole = self.data_world, batch.model_inputs(), None
         if self.context is not None:
-            batch = local_targets(batch, self.context)
+            whole, batch = batch, local_targets(batch, self.context)
         counts_T = self._global_counts(batch) if world > 1 else None
-        mb = MicroBatch(batch, inputs, sums, counts_T, world)
+        mb = MicroBatch(batch, inputs, sums, counts_T, world, whole=whole)
         for term in self.terms:
             term.before_forward(mb)
         return mb

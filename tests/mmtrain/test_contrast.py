@@ -14,13 +14,10 @@ import pytest
 import torch
 from objective_steps import make_trainer, one_step
 
-from mmtrain.config import apply_override, from_dict
-from mmtrain.errors import ConfigError
 from mmtrain.loop.trainer import Trainer
 from mmtrain.objectives.contrast import ContrastRows, ContrastSums, document_gaps, extend
 from mmtrain.objectives.mismatch import mismatch_media
 from mmtrain.objectives.terms import blank_media, media_tokens, take_rows, task_losses, token_losses
-from mmtrain.run_config import RunConfig
 
 MARGIN = 0.2
 
@@ -151,11 +148,3 @@ def test_a_tiny_run_with_the_contrast_trains_and_logs_it(raw_for, tmp_path_facto
         if s["active"] == 1:
             assert term == pytest.approx(0.2 - s["train_gap"], abs=1e-5)  # the default margin
     assert trainer.step == 4 and trainer.state.skipped_steps == 0
-
-
-def test_refused_with_context_parallelism(raw_for, tmp_path_factory):
-    raw = raw_for(tmp_path_factory.mktemp("cp"))
-    for item in ["dist.cp=2", "dist.strategy=fsdp", "data.seq_len=256", "loss.contrast.weight=1.0"]:
-        apply_override(raw, item)
-    with pytest.raises(ConfigError, match="loss.contrast"):
-        from_dict(RunConfig, raw, source="contrast-cp-test")

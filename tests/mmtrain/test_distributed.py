@@ -107,6 +107,8 @@ CONTEXT_MESHES = {  # (ranks, rows, overrides)
     "cp4": (4, 2, ["dist.cp=4"]),
     "cp2-token-select": (2, 2, ["dist.cp=2", "model.decoder.attention.select=token"]),
     "cp2-visual-next": (2, 2, ["dist.cp=2", "model.visual_head=true", "loss.visual_next.weight=1"]),
+    # the mismatch contrast's swapped-media copies: rows like any other, split where the originals are
+    "cp2-contrast": (2, 2, ["dist.cp=2", "loss.contrast.weight=1"]),
     "fsdp2-cp2-ep2": (4, 4, ["dist.cp=2", "dist.ep=2"]),
 }
 

@@ -52,6 +52,7 @@ class MicroBatch:
     out: Any = None  # the ModelOutput, after the forward
     head: Head | None = None  # per-token CE / lse of any rows of the forward (heads.py)
     losses: TaskLosses | None = None  # the batch's own rows' task losses (unweighted)
+    whole: PackedBatch | None = None  # under CP / TP: the whole rows `batch` is this rank's chunk of
 
     @property
     def rows(self) -> int:

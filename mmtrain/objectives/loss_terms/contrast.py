@@ -16,10 +16,14 @@ class Contrast(Term):
     Sums = ContrastSums
 
     def before_forward(self, mb: MicroBatch) -> None:
-        self._extended, self._rows = extend(mb.batch)
+        # under cp / tp the copies are made of the whole rows (the model reads whole rows) and the
+        # labels narrowed to this rank's chunk, as the batch's own (objective.prepare)
+        self._extended, self._rows = extend(mb.batch if mb.whole is None else mb.whole)
         if self._rows is None:
             return
-        mb.inputs, mb.labels_BS = self._extended.model_inputs(), self._extended.labels_BS
+        c, labels_BS = self.obj.context, self._extended.labels_BS
+        mb.inputs = self._extended.model_inputs()
+        mb.labels_BS = labels_BS if c is None else c.local(labels_BS)
         mask_N = mb.kwargs.get("ssl_mask_N")
         if mask_N is not None:  # the copies' patches are never masked
             extra_N = self._extended.patches_NP.shape[0] - mask_N.shape[0]
@@ -30,8 +34,15 @@ class Contrast(Term):
         if rows is None:
             return None
         ce_swap_RS, _ = mb.head.ce(mb.rows, self._extended.labels_BS.shape[0])
-        term = contrast_term(mb.losses.ce_BS, ce_swap_RS, rows, self.cfg.margin, mb.sums.contrast)
-        return self.cfg.weight * term / mb.world  # a mean per rank, as visual_ssl
+        c = self.obj.context  # cp / tp: this rank's chunk of the rows, the hinge the group's
+        term = contrast_term(mb.losses.ce_BS, ce_swap_RS, rows, self.cfg.margin, mb.sums.contrast, c)
+        if c is None:
+            return self.cfg.weight * term / mb.world  # a mean per rank, as visual_ssl
+        # cp / tp: every rank of the group holds the hinge's value, its gradient through its own tokens
+        # only. As visual_next's chunk shares, the group's values add up to one hinge x size / world and
+        # its gradients to the hinge's x size / world: a value share of 1 / size, the gradient x size
+        size = c.comm.size
+        return self.cfg.weight * (size * term - (size - 1) * term.detach()) / mb.world
 
     @classmethod
     def report(cls, loss_cfg, total, accum: int, world: int, rep: Reported) -> None:
