@@ -28,6 +28,8 @@ MESHES = {  # (ranks, rows, overrides)
     "tp4": (4, 2, ["dist.tp=4", *HEADS[4]]),
     "fsdp2-tp2": (4, 2, ["dist.tp=2", *HEADS[2]]),
     "tp2-cp2": (4, 2, ["dist.tp=2", "dist.cp=2", *HEADS[2], *TILE]),
+    # the contrast's copies split over tp as any row (its CP(2) case is the fast one: test_distributed)
+    "tp2-contrast": (2, 2, ["dist.tp=2", *HEADS[2], "loss.contrast.weight=1"]),
     # each tp rank routes its own tokens within its ep group; FSDP sums the experts' grads over tp
     "tp2-ep2": (4, 2, ["dist.tp=2", "dist.ep=2", *HEADS[2]]),
     "hsdp2x2-tp2-ep2": (8, 4, ["dist.dp_replicate=2", "dist.tp=2", "dist.ep=2", *HEADS[2]]),
@@ -64,8 +66,8 @@ def test_tensor_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
 
 
 @SLOW
-@pytest.mark.parametrize("mesh", ["tp4", "fsdp2-tp2", "tp2-cp2", "tp2-ac-accum", "tp2-compile",
-                                  "fsdp2-cp2-tp2-ep2", "hsdp2x2-tp2-ep2"])
+@pytest.mark.parametrize("mesh", ["tp4", "fsdp2-tp2", "tp2-cp2", "tp2-contrast", "tp2-ac-accum",
+                                  "tp2-compile", "fsdp2-cp2-tp2-ep2", "hsdp2x2-tp2-ep2"])
 def test_tensor_parallel_meshes_match_one_process(raw_for, tmp_path, mesh):
     one, tp = _parity(raw_for, tmp_path, mesh)
     _check(one, tp)
