@@ -1,7 +1,9 @@
 """Knockout faithfulness (mmtrain/evaluation/knockout.py, tools/attention_maps/faithfulness.py) on a tiny
-model whose weights were shuffled: its maps show no faithfulness (their knockout is no worse for the word
-than random orders), while an order that does know what the model reads (single-token knockouts) is
-detected; the curves' bookkeeping; the CLI's faithfulness outputs are in the from-val test.
+untrained model whose weights were shuffled: its default maps are no better than random orders, while an
+order that does know what the model reads (single-token knockouts) is detected; the curves' bookkeeping;
+the CLI's faithfulness outputs are in the from-val test. (Shuffling make train's step-200 weights gives
+a model that still reads its input, and there the gradient maps are faithful to it:
+docs/ATTENTION_MAPS.md, "Faithfulness".)
 
 Legend: W words, N random draws, F fractions, V visual tokens.
 """
@@ -46,7 +48,7 @@ def _words(model, n_docs: int):
 
 
 @pytest.mark.budget(45)  # 30 s measured with the 2 cores at load 13 (about 8 s alone)
-def test_shuffled_weights_show_no_faithfulness():
+def test_shuffled_untrained_weights_show_no_faithfulness():
     torch.set_num_threads(1)
     model = _shuffled(_model("gather"))
     words = _words(model, 4)
