@@ -11,7 +11,6 @@ Legend: W words, N random draws, F fractions, V visual tokens.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from mmtrain.attention_maps.faithfulness import doc_words, evaluate
@@ -47,7 +46,6 @@ def _words(model, n_docs: int):
     return words
 
 
-@pytest.mark.budget(45)  # 30 s measured with the 2 cores at load 13 (about 8 s alone)
 def test_shuffled_untrained_weights_show_no_faithfulness():
     torch.set_num_threads(1)
     model = _shuffled(_model("gather"))
