@@ -34,9 +34,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mmtrain.errors import UserError
 from mmtrain.models.multimodal import MultimodalModel, seeded_init
 
 Tensor = torch.Tensor
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kib * 1024
 
 
 def block_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -130,7 +141,14 @@ class PipelineReplica:
 
     def _build(self) -> None:
         """Host memory for the whole model, with the values one process starts from (the non-persistent
-        buffers, which no stage sends, included)."""
+        buffers, which no stage sends, included); refused in one line when the host lacks it."""
+        need = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+        have = available_host_bytes()
+        if have is not None and need > have:
+            raise UserError(f"dist.pp: evaluation runs on a replica of the whole model in host memory "
+                            f"({need / 2**30:.1f} GiB) and this host has {have / 2**30:.1f} GiB available; "
+                            f"set train.eval_every: 0, diagnostics.every: 0 and captions.images / videos: 0 "
+                            f"and evaluate the checkpoints offline")
         self.model.to_empty(device="cpu")
         seeded_init(self.model, self.seed)
         self.streamed.capture()

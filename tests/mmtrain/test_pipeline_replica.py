@@ -83,3 +83,15 @@ def test_the_streamed_replica_captions_as_the_model_does():
     cfg = SamplingConfig(max_new_tokens=8)
     want = generate_tokens(model, prompt, cfg, eos_id=None).tokens
     assert generate_tokens(replica, prompt, cfg, eos_id=None).tokens == want
+
+
+def test_a_replica_larger_than_the_hosts_free_memory_is_refused_in_one_line(monkeypatch):
+    """m3 (423B parameters) would need 1.7 TB of host memory on each pipeline's first rank."""
+    from mmtrain.errors import UserError
+    from mmtrain.parallel import pipeline_replica
+
+    monkeypatch.setattr(pipeline_replica, "available_host_bytes", lambda: 1024)
+    replica = pipeline_replica.PipelineReplica(_model(4).cfg, 0, holder=True, device=torch.device("cpu"))
+    with pytest.raises(UserError) as e:
+        replica._build()
+    assert "train.eval_every: 0" in str(e.value) and "\n" not in str(e.value)
