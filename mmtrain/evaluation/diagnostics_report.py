@@ -148,9 +148,9 @@ class DiagResult:
             out[f"{prefix}/pointing_chance_{cat}"] = p["chance_cell"]
         for attr, p in self.probe.items():
             out.update({f"{prefix}/probe_{attr}_{k}": p[k] for k in ("vit", "vit_pre", "pixels", "chance")})
-        if self.faithfulness.get("words"):
-            out[f"{prefix}/faithfulness_deletion_ratio"] = self.faithfulness["deletion_ratio"]
-            out[f"{prefix}/faithfulness_deletion_z"] = self.faithfulness["deletion_z"]
+        for key in ("deletion_ratio", "deletion_z"):  # None: undefined (knockout.grounding_faithfulness)
+            if self.faithfulness.get("words") and self.faithfulness.get(key) is not None:
+                out[f"{prefix}/faithfulness_{key}"] = self.faithfulness[key]
         out[f"{prefix}/alarms"] = float(len(self.alarms()))
         return out
 

@@ -206,5 +206,11 @@ def grounding_faithfulness(model, docs, device, n_words: int, draws: int, seed: 
     if not num:
         return {}
     ratio, lo, hi = ratio_interval(np.array(num), np.array(den), rng)
-    return {"method": DEFAULT_METHOD, "words": len(num), "deletion_ratio": ratio,
-            "deletion_ratio_95": [lo, hi], "deletion_z": excess_z(np.array(num), np.array(den))}
+    z = excess_z(np.array(num), np.array(den))
+    # None where undefined (a random order's AUC <= 0): the record is JSON and checkpointed history
+    return {"method": DEFAULT_METHOD, "words": len(num), "deletion_ratio": _finite(ratio),
+            "deletion_ratio_95": [_finite(lo), _finite(hi)], "deletion_z": _finite(z)}
+
+
+def _finite(x) -> float | None:
+    return float(x) if np.isfinite(x) else None
