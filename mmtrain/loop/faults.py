@@ -34,7 +34,8 @@ def faults_configured(cfg: FaultConfig) -> bool:
 
 
 def announce(rank: int, what: str) -> None:
-    print(f"mmtrain: fault: rank {rank} {what} at t={time.time():.3f}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"mmtrain: fault: rank {rank} {what} at t={time.time():.3f}\n")  # one write: ranks share
+    sys.stderr.flush()  # torchrun's stderr, and print's two writes interleave
 
 
 def hold_gil(seconds: float) -> None:

@@ -163,8 +163,9 @@ class Heartbeat:
         """Print the verdict and exit non-zero, once every live rank has printed it too (or after a
         few ticks): the first to exit makes the launcher stop the rest, which must have named it."""
         self.verdict = line
-        print(f"mmtrain: rank {self.rank}: {line}; exiting at t={time.time():.3f}", file=sys.stderr,
-              flush=True)
+        # one write: the ranks of a node share torchrun's stderr, and print's two writes interleave
+        sys.stderr.write(f"mmtrain: rank {self.rank}: {line}; exiting at t={time.time():.3f}\n")
+        sys.stderr.flush()
         live = self.world - len(set(re.findall(r"rank (\d+) silent", line)))
         deadline = time.monotonic() + 3 * self.cfg.interval_s + 2.0  # a loaded host's late tick
         with contextlib.suppress(RuntimeError):  # a gone store: leave now
