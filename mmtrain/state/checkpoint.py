@@ -36,6 +36,7 @@ import yaml
 
 from mmtrain.errors import UserError
 from mmtrain.parallel.distributed import DistEnv, barrier, broadcast_object
+from mmtrain.state.layout import upgrade
 from mmtrain.state.manifest import all_gather, own_entries, verify, write_manifest
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -319,11 +320,13 @@ def load_for_inference(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]
     if "config" not in state:
         raise UserError(f"{path}: not an mmtrain checkpoint (no config inside)")
     model = state["model"] if "model" in state else load_model_state(path)
+    model = upgrade(model, state["config"].get("model", {}), state.get("layout", 1))
     tokenizer = path / TOKENIZER_FILE if path.is_dir() else None
     return state["config"], model, tokenizer if tokenizer and tokenizer.is_file() else None
 
 
 def _load_export(path: Path) -> tuple[dict[str, Any], dict[str, Any], Path | None]:
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     cfg_file = path / CONFIG_FILE
@@ -332,8 +335,11 @@ def _load_export(path: Path) -> tuple[dict[str, Any], dict[str, Any], Path | Non
     try:
         config = yaml.safe_load(cfg_file.read_text(encoding="utf-8"))
         weights = load_file(path / WEIGHTS_FILE)
+        with safe_open(path / WEIGHTS_FILE, "pt") as f:
+            layout = int((f.metadata() or {}).get("layout", 1))
     except Exception as e:
         raise UserError(f"{path}: cannot read the export: {_first_line(e)}") from None
+    weights = upgrade(weights, config.get("model", {}), layout)
     tokenizer = path / TOKENIZER_FILE
     return config, weights, tokenizer if tokenizer.is_file() else None
 

@@ -30,6 +30,7 @@ from mmtrain.state.checkpoint import (
     swap_in,
     tokenizer_file,
 )
+from mmtrain.state.layout import LAYOUT
 from mmtrain.state.manifest import verify
 
 
@@ -63,7 +64,8 @@ def export(ckpt: str | Path, out: str | Path) -> Path:
     except OSError as e:
         raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt", "source": str(src)})
+    meta = {"format": "pt", "source": str(src), "layout": str(LAYOUT)}  # state/layout.py
+    save_file(tensors, tmp / WEIGHTS_FILE, metadata=meta)
     (tmp / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     if tokenizer is not None:
         shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)

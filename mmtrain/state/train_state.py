@@ -39,9 +39,10 @@ from mmtrain.state.checkpoint import (
     load_state,
     quiet_single_process,
 )
+from mmtrain.state.layout import LAYOUT, check_trainable
 
 FORMAT = 3  # 2: train counters and histories flat in state.pt; 1: everything in one state.pt
-SHARED_META = ("format", "world_size", "dp_size", "config")  # state.pt keys that are not parts
+SHARED_META = ("format", "layout", "world_size", "dp_size", "config")  # state.pt keys, not parts
 RANK_META = ("rank", "dp_rank")
 OPTIONAL_PREFIX = "callback."  # parts that come and go with the user's code
 
@@ -153,7 +154,8 @@ def save_checkpoint(checkpointer: Checkpointer, parts: Parts, step: int, config:
     staged now, written while training goes on, committed by `checkpointer.poll` (-> None)."""
     env = checkpointer.env
     dp_rank, dp_size = parts.data_rank or (env.rank, env.world_size)
-    shared = {"format": FORMAT, "world_size": env.world_size, "dp_size": dp_size, "config": config,
+    shared = {"format": FORMAT, "layout": LAYOUT, "world_size": env.world_size, "dp_size": dp_size,
+              "config": config,
               **{name: part.state_dict() for name, part in parts.replicated.items()}}
     own = {"rank": env.rank, "dp_rank": dp_rank,
            **{name: part.state_dict() for name, part in parts.per_rank.items()}}
@@ -168,6 +170,7 @@ def load_checkpoint(path: Path, parts: Parts, env: DistEnv) -> str | None:
     fmt = shared.get("format", 1)
     if fmt > FORMAT:
         raise UserError(f"{path}: checkpoint format {fmt} is newer than this code reads ({FORMAT})")
+    check_trainable(path, shared)  # the fused weights' row layout (state/layout.py)
     if fmt == 1:
         return _load_format_1(path, parts, shared, env)
     shared = from_format_2(shared) if fmt == 2 else shared

@@ -127,10 +127,11 @@ def test_every_part_round_trips_into_a_fresh_trainer(make_config, tmp_path):
 
 
 def _as_format_2(state: dict) -> dict:
-    """state.pt as the previous code wrote it: counters and histories flat, no curriculum part."""
-    return {"format": 2, "world_size": state["world_size"], "config": state["config"],
-            "scheduler": state["scheduler"], "balancer": state["balancer"], **state["train"],
-            "diagnostics": state["callback.diagnostics"]["history"]}
+    """state.pt as the previous code wrote it: counters and histories flat, no curriculum part (the
+    weights' row layout kept: they are this code's)."""
+    return {"format": 2, "layout": state["layout"], "world_size": state["world_size"],
+            "config": state["config"], "scheduler": state["scheduler"], "balancer": state["balancer"],
+            **state["train"], "diagnostics": state["callback.diagnostics"]["history"]}
 
 
 def test_a_format_2_checkpoint_resumes_and_a_newer_format_is_refused(make_config, tmp_path):

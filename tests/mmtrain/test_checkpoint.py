@@ -89,7 +89,8 @@ def test_load_for_inference_reads_single_file_checkpoints_and_rejects_others(tra
     run, trainer = trained
     old = tmp_path / "step_9"
     old.mkdir()
-    torch.save({"model": trainer.model.state_dict(), "config": {"run_dir": "x"}, "step": 9}, old / "state.pt")
+    torch.save({"model": trainer.model.state_dict(), "config": {"run_dir": "x"}, "step": 9, "layout": 2},
+               old / "state.pt")  # this code's rows (state/layout.py)
     cfg, state, tok = load_for_inference(old)
     assert cfg == {"run_dir": "x"} and tok is None and set(state) == set(trainer.model.state_dict())
     with pytest.raises(UserError, match="not a checkpoint"):

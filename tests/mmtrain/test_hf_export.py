@@ -93,7 +93,8 @@ def exported(request, tmp_path_factory, corpus, raw_for):
 
     cfg.model.decoder.vocab_size = load_tokenizer(tok_file).vocab_size
     model = _random_model(cfg)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, src / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, src / "model.safetensors",
+              metadata={"layout": "2"})  # this code's rows (state/layout.py)
     (src / "config.yaml").write_text(yaml.safe_dump(asdict(cfg)), encoding="utf-8")
     out = export_hf(
         src,
@@ -470,7 +471,8 @@ def test_bad_input_is_one_line(exported, tmp_path, capsys):
     from safetensors.torch import save_file
 
     state = {**exported["state"], "decoder.layers.0.attn.new_gate": torch.zeros(2)}
-    save_file({k: v.contiguous() for k, v in state.items()}, bad / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in state.items()}, bad / "model.safetensors",
+              metadata={"layout": "2"})
     for f in ("config.yaml", "tokenizer.json"):
         (bad / f).write_bytes((exported["src"] / f).read_bytes())
     assert cli.main(["export", "--hf", str(bad), "--out", str(tmp_path / "o"), "--no-parity"]) == 2

@@ -50,7 +50,8 @@ def setup(tmp_path_factory):
     cfg.model.decoder.vocab_size = json.loads((corpus / "manifest.json").read_text())["vocab_size"]
     ckpt = root / "run" / "step_1"
     ckpt.mkdir(parents=True)
-    torch.save({"model": MultimodalModel(cfg.model).state_dict(), "config": to_dict(cfg)}, ckpt / "state.pt")
+    torch.save({"model": MultimodalModel(cfg.model).state_dict(), "config": to_dict(cfg), "layout": 2},
+               ckpt / "state.pt")
     image = root / "shapes.png"
     pixels = np.full((40, 56, 3), 30, np.uint8)
     pixels[8:20, 30:44] = (230, 40, 40)
@@ -174,7 +175,7 @@ def test_user_errors_are_one_line(setup, tmp_path, capsys, case):
         bad = tmp_path / "bad"
         bad.mkdir()
         state = torch.load(Path(ckpt) / "state.pt", weights_only=False)
-        torch.save({"model": state["model"], "config": cfg}, bad / "state.pt")
+        torch.save({"model": state["model"], "config": cfg, "layout": 2}, bad / "state.pt")
         ckpt = str(bad)
     elif case == "bad_image":
         args = _bad_image(setup)

@@ -50,7 +50,7 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
                 model.vision.projector.w_out.weight.zero_()  # every visual token is 0, whatever the pixels
         out[name] = root / name / "step_1"
         out[name].mkdir(parents=True)
-        torch.save({"model": model.state_dict(), "config": to_dict(cfg)}, out[name] / "state.pt")
+        torch.save({"model": model.state_dict(), "config": to_dict(cfg), "layout": 2}, out[name] / "state.pt")
     return {k: str(v) for k, v in out.items()}
 
 
