@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from mmtrain.data_pipelines.batch import TEXT
 from mmtrain.data_pipelines.packing import assemble
@@ -182,10 +183,13 @@ def ratio_interval(num_W: np.ndarray, den_WN: np.ndarray, rng: np.random.Generat
 def grounding_faithfulness(model, docs, device, n_words: int, draws: int, seed: int = 0) -> dict:
     """The training diagnostics' number: the default method's deletion AUC over random orders' on
     the first n_words words of the pointing game's documents (pointing.GroundingDoc), model in eval
-    mode (unwrapped). {} without words, and under tensor parallelism (the taps would see this rank's
-    heads only)."""
+    mode (unwrapped). {} without words, under tensor parallelism (the taps would see this rank's
+    heads only) and with sharded weights (FSDP: its pieces run outside the root's forward, where the
+    parameters are shards; the pipeline's replica and one process measure it)."""
     dec = model.cfg.decoder
     if any(layer.attn.n_heads != dec.n_heads for layer in model.decoder.layers):
+        return {}
+    if any(isinstance(p, DTensor) for p in model.parameters()):
         return {}
     rng = np.random.default_rng(seed)
     num, den = [], []
