@@ -129,23 +129,3 @@ def test_a_compiled_collective_is_not_a_graph_break(fake_world):
     torch._dynamo.reset()
     out = torch.compile(f, backend="aot_eager", fullgraph=True)(torch.ones(4))
     assert out.shape == (4,) and not counters["graph_break"]
-
-
-def test_tps_reduce_scatter_is_one_and_sends_half_an_all_reduce(fake_world, monkeypatch):
-    """TPComm.reduce_scatter (a split layer's exit): one reduce-scatter of the whole input into this
-    rank's chunk, no all-reduce (which would send twice the bytes)."""
-    from mmtrain.parallel.comm import Traffic
-    from mmtrain.parallel.tensor_parallel import TPComm
-
-    fake_world(2)
-    seen = []
-    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: seen.append("all_reduce"))
-    monkeypatch.setattr(dist, "reduce_scatter_single",
-                        lambda out, inp, group=None: seen.append(("reduce_scatter", out.shape, inp.shape)))
-    traffic = Traffic()
-    comm = TPComm(dist.group.WORLD, traffic)
-    x_BSD = torch.randn(2, 8, 4, requires_grad=True)
-    y = comm.reduce_scatter(x_BSD, 1)
-    assert y.shape == (2, 4, 4)
-    assert seen == [("reduce_scatter", (4, 2, 4), (8, 2, 4))]  # dim 1 moved to the front
-    assert traffic.sent["tp_reduce_scatter"] == 2 * 4 * 4 * 4  # (P - 1) x the chunk: half of x's bytes
