@@ -31,7 +31,13 @@ from mmtrain.models.attention import build_meta, recompute_probs
 from mmtrain.models.self_attention import split_qkv
 
 Tensor = torch.Tensor
-DEFAULT_METHOD = "grad L1"  # the most faithful on make train's val (docs/ATTENTION_MAPS.md, "Faithfulness")
+DEFAULT_LAYER = 2  # docs/ATTENTION_MAPS.md, "Faithfulness": the most faithful on make train's val
+
+
+def default_method(n_layers: int) -> str:
+    """The map the diagnostics and the video report use: gradient-weighted attention of layer 2 (the
+    most faithful on val, and through the randomisation check), the last layer's in a shallower decoder."""
+    return f"grad L{min(DEFAULT_LAYER, n_layers - 1)}"
 
 
 @dataclass

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from mmtrain.data_pipelines.batch import TEXT
 from mmtrain.data_pipelines.packing import assemble
 
-from .attribution import DEFAULT_METHOD, WordSpan, doc_attributions, word_logprob
+from .attribution import WordSpan, default_method, doc_attributions, word_logprob
 
 Tensor = torch.Tensor
 FRACS = (0.05, 0.10, 0.20, 0.40)
@@ -192,6 +192,7 @@ def grounding_faithfulness(model, docs, device, n_words: int, draws: int, seed: 
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return {}
     rng = np.random.default_rng(seed)
+    method = default_method(dec.n_layers)
     num, den = [], []
     patch_dim = model.cfg.vision.patch_dim
     for d in docs:
@@ -204,7 +205,7 @@ def grounding_faithfulness(model, docs, device, n_words: int, draws: int, seed: 
         visual_QD = encode_media(model, inputs)
         for w, maps in zip(spans, doc_attributions(model, inputs, spans)):
             c = run_word(model, Prepared.of(model, inputs, w, visual_QD),
-                         {"map": order_of(maps[DEFAULT_METHOD], rng)}, draws, rng, insertion=False)
+                         {"map": order_of(maps[method], rng)}, draws, rng, insertion=False)
             num.append(deletion_auc(c.full, c.deletion["map"]))
             den.append([deletion_auc(c.full, r) for r in c.random_del])
     if not num:
@@ -212,7 +213,7 @@ def grounding_faithfulness(model, docs, device, n_words: int, draws: int, seed: 
     ratio, lo, hi = ratio_interval(np.array(num), np.array(den), rng)
     z = excess_z(np.array(num), np.array(den))
     # None where undefined (a random order's AUC <= 0): the record is JSON and checkpointed history
-    return {"method": DEFAULT_METHOD, "words": len(num), "deletion_ratio": _finite(ratio),
+    return {"method": method, "words": len(num), "deletion_ratio": _finite(ratio),
             "deletion_ratio_95": [_finite(lo), _finite(hi)], "deletion_z": _finite(z)}
 
 

@@ -15,7 +15,7 @@ import torch
 
 from mmtrain.attention_maps.faithfulness import doc_words, evaluate
 from mmtrain.attention_maps.inputs import ObjectBoxes
-from mmtrain.evaluation.attribution import DEFAULT_METHOD
+from mmtrain.evaluation.attribution import default_method
 from mmtrain.evaluation.knockout import (
     FRACS,
     deletion_auc,
@@ -46,14 +46,19 @@ def _words(model, n_docs: int):
     return words
 
 
-def test_shuffled_untrained_weights_show_no_faithfulness():
+def test_shuffled_untrained_weights_show_no_faithful_attention():
+    """Shuffled untrained weights: raw attention (what the keys get, not what the model does with them)
+    stays inside the random orders' spread (|z| < 4; measured -2.5..2.2 over 6 draws), while an order
+    that knows where this model reads is found (z > 5; measured 7.4..11.2). Gradient-weighted maps
+    (the default among them) are not asserted: they follow where even a random model reads (z -0.0..8.3
+    here), which is what knockout measures: faithfulness to the model, not grounding in the object."""
     torch.set_num_threads(1)
     model = _shuffled(_model("gather"))
     words = _words(model, 4)
     res = evaluate(model, words, draws=20, seed=int(torch.randint(0, 2**31, ())))
     assert res["words"] == len(words) >= 12
-    d = res["methods"][DEFAULT_METHOD]
-    assert abs(d["deletion_z"]) < 5, d  # inside the random orders' spread: no evidence of faithfulness
+    d = res["methods"]["raw mean"]
+    assert abs(d["deletion_z"]) < 4, d  # inside the random orders' spread: no evidence of faithfulness
     # The same machinery finds an order that knows where the model reads: tokens by their own knockout.
     rng = np.random.default_rng()
     truth_W, rnd_WN = [], []
@@ -101,7 +106,8 @@ def test_diagnostics_record_the_default_maps_deletion_ratio():
                           meta, TOK, DATA) for i in range(2)]
     model = _model("gather").eval()
     f = grounding_faithfulness(model, docs, "cpu", n_words=6, draws=5)
-    assert f["method"] == DEFAULT_METHOD and f["words"] == 6 and np.isfinite(f["deletion_z"])
+    assert f["method"] == default_method(model.cfg.decoder.n_layers) and f["words"] == 6
+    assert np.isfinite(f["deletion_z"])
     assert grounding_faithfulness(model, docs, "cpu", n_words=0, draws=5) == {}
 
 

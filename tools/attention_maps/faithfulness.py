@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmtrain.evaluation.attribution import (
-    DEFAULT_METHOD,
     WordSpan,
+    default_method,
     doc_attributions,
     heads_map,
     method_names,
@@ -138,8 +138,8 @@ def summarize(words: list[ScoredWord], methods: list[str], rng: np.random.Genera
     ranked = sorted(methods, key=lambda k: -out["methods"][k]["deletion_z"])
     out["best"] = ranked[0]
     out["runner_up"] = ranked[1] if len(ranked) > 1 else None
-    out["default"] = DEFAULT_METHOD
-    out["video"] = _video(words)
+    out["default"] = default_method(sum(m.startswith("grad L") for m in methods))
+    out["video"] = _video(words, out["default"])
     return out
 
 
@@ -157,7 +157,7 @@ def _random_band(cs: list[WordCurves], full_W: np.ndarray) -> list[list[float]]:
     return np.percentile(drop_NF, [2.5, 97.5], axis=0).tolist()
 
 
-def _video(words: list[ScoredWord]) -> dict:
+def _video(words: list[ScoredWord], default: str) -> dict:
     """Which frames each video word relied on: the temporal slice whose knockout drops its
     log-probability most, beside the default map's share per slice."""
     per_word, agree = [], []
@@ -166,7 +166,7 @@ def _video(words: list[ScoredWord]) -> dict:
             continue
         drop_t = sw.curves.full - sw.curves.slices
         t = sw.medium.grid_thw[0]
-        share_t = sw.maps[DEFAULT_METHOD].reshape(t, -1).sum(1)
+        share_t = sw.maps[default].reshape(t, -1).sum(1)
         share_t = share_t / max(share_t.sum(), 1e-12)
         s = int(np.argmax(drop_t))
         m = sw.medium
