@@ -73,6 +73,10 @@ class DecoderConfig:
     def is_sparse(self, layer: int) -> bool:
         return self.layer_layout[layer % len(self.layer_layout)] == "S"
 
+    def layer_kinds(self) -> list[tuple[bool, bool]]:
+        """(MoE, sparse) of each layer: layers of one kind cost alike and compile to one graph."""
+        return [(self.is_moe(i), self.is_sparse(i)) for i in range(self.n_layers)]
+
     def is_moe(self, layer: int) -> bool:
         return self.moe is not None and layer >= self.moe.first_dense_layers
 
@@ -195,7 +199,7 @@ class Decoder(nn.Module):
         return list(enumerate(self.layers))
 
     def moe_layers(self) -> dict[int, MoE]:
-        return {i: layer.ffn for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)}
+        return {i: layer.ffn for i, layer in self.numbered_layers() if isinstance(layer.ffn, MoE)}
 
     def rotary(self, pos_ids_3BS: Tensor) -> tuple[Tensor, Tensor]:
         freqs = mrope_freqs(self.cfg.head_dim, self.cfg.mrope_sections, self.cfg.rope_theta,

@@ -106,7 +106,7 @@ def compile_blocks(model: MultimodalModel, backend: str = "inductor") -> None:
     decoder.py) x grad mode x train / eval mode. Dynamo's recompile limit (8 by default) is raised to
     that bound, or past it layers would run eagerly."""
     dec = model.decoder.cfg
-    kinds = len({(dec.is_sparse(i), dec.is_moe(i)) for i in range(dec.n_layers)})
+    kinds = len(set(dec.layer_kinds()))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, layer_graphs(kinds))
     for blocks in block_lists(model):
         for i, block in enumerate(blocks):

@@ -222,8 +222,7 @@ class StageModel(nn.Module):
         return MultimodalModel.visual_next_pred(self, hidden_BSD, modality_BS, grid_thw_M3, self.context)
 
     def moe_layers(self) -> dict[int, MoE]:
-        return {i: self.decoder.layers[str(i)].ffn for i in self.layer_ids
-                if isinstance(self.decoder.layers[str(i)].ffn, MoE)}
+        return self.decoder.moe_layers()  # this stage's layers, by the full model's indices
 
     def update_moe_bias(self, reduce_fn: Callable[[Tensor], None] | None = None) -> None:
         """This stage's MoE layers' bias step (each layer lives on one stage: no pp exchange needed)."""
@@ -332,7 +331,7 @@ def compile_stages(parts: list[StageModel], backend: str) -> None:
     if not parts:
         return
     dec = parts[0].decoder.cfg
-    kinds = len({(dec.is_sparse(i), dec.is_moe(i)) for i in range(dec.n_layers)})
+    kinds = len(set(dec.layer_kinds()))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, layer_graphs(kinds))
     for part in parts:
         if part.vision is not None:

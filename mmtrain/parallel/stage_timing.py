@@ -54,8 +54,8 @@ def measured_costs(model, cfg, device: torch.device, timer: Timer | None = None,
     dec = model.cfg.decoder
     g = torch.Generator(device="cpu").manual_seed(0)
     B, S = cfg.data.batch_size, cfg.data.seq_len
-    kinds = [(dec.is_moe(i), dec.is_sparse(i)) for i in range(dec.n_layers)]
-    first = layer_kinds(dec)  # kind -> its first layer
+    kinds = dec.layer_kinds()
+    first = first_of_kind(kinds)  # kind -> its first layer
     rows = _rows(B, S, device, g)
     bf16 = device.type == "cuda" and cfg.train.dtype == "bfloat16"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()  # the trainer's
@@ -74,9 +74,8 @@ def measured_costs(model, cfg, device: torch.device, timer: Timer | None = None,
     return {"vision": got["vision"], "layers": [got[k] for k in kinds], "head": got["head"]}
 
 
-def layer_kinds(dec) -> dict[tuple[bool, bool], int]:
-    """(MoE, sparse) -> the first decoder layer of that kind: the layers `measured_costs` times."""
-    kinds = [(dec.is_moe(i), dec.is_sparse(i)) for i in range(dec.n_layers)]
+def first_of_kind(kinds: list[tuple[bool, bool]]) -> dict[tuple[bool, bool], int]:
+    """(MoE, sparse) of each layer -> the first layer of each kind: the layers `measured_costs` times."""
     return {k: kinds.index(k) for k in dict.fromkeys(kinds)}
 
 
@@ -87,7 +86,7 @@ def timing_model(skeleton, device: torch.device):
     model = copy.deepcopy(skeleton)
     dec = model.decoder
     timed = [model.vision, dec.norm, dec.lm_head if dec.lm_head is not None else dec.embed,
-             *(dec.layers[i] for i in layer_kinds(dec.cfg).values())]
+             *(dec.layers[i] for i in first_of_kind(dec.cfg.layer_kinds()).values())]
     for module in timed:
         module.to_empty(device=device)
     seeded_init(model, model.init_seed)  # the meta blocks: no values drawn

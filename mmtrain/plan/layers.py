@@ -27,10 +27,6 @@ Kind = tuple[bool, bool]  # (MoE FFN, sparse attention)
 VISION = "vision block"
 
 
-def layer_kinds(dec) -> list[Kind]:
-    return [(dec.is_moe(i), dec.is_sparse(i)) for i in range(dec.n_layers)]
-
-
 def kind_name(kind: Kind | str) -> str:
     if isinstance(kind, str):
         return kind
@@ -40,7 +36,7 @@ def kind_name(kind: Kind | str) -> str:
 def counts(cfg) -> dict:
     """kind -> how many the config has (decoder kinds in first-layer order, dense first; vision)."""
     out: dict = {}
-    for kind in sorted(layer_kinds(cfg.model.decoder), key=lambda k: k[0]):  # stable: dense first
+    for kind in sorted(cfg.model.decoder.layer_kinds(), key=lambda k: k[0]):  # stable: dense first
         out[kind] = out.get(kind, 0) + 1
     out[VISION] = cfg.model.vision.depth
     return out

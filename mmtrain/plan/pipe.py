@@ -51,37 +51,34 @@ LAYER_FLOPS = ("full attention", "sparse attention", "dense ffn", "moe experts",
 
 
 def stage_plan(cfg, dims) -> dict:
-    """{"stages", "layers", "n_stages", "schedule", "microbatches", "in_flight", "bubble"} of this rank."""
+    """{"stages", "layers", "n_stages", "schedule", "microbatches", "in_flight", "bubble",
+    "absent_numel"} of this rank."""
     from mmtrain.models.multimodal import MultimodalModel
-    from mmtrain.parallel.pipeline import split_layers, stage_costs, stage_ids, stages_per_rank
+    from mmtrain.parallel.pipeline import stage_ids, stage_ranges, stages_per_rank
 
     schedule, pp, m = cfg.dist.pp_schedule, dims.pp, cfg.train.grad_accum
     v = stages_per_rank(schedule)
     with torch.device("meta"):
         model = MultimodalModel(cfg.model)
-    ranges = split_layers(stage_costs(model, cfg.data.seq_len), pp * v, cfg.dist.pp_vision_stage)
+    ranges = stage_ranges(model, schedule, pp, cfg.data.seq_len, cfg.dist.pp_vision_stage)  # the trainer's
     mine = stage_ids(schedule, dims.pp_rank, pp)
     layers = [i for s in mine for i in ranges[s]]
     in_flight = micro_batches_in_flight(schedule, pp, dims.pp_rank, m)
     return {"schedule": schedule, "stages": mine, "n_stages": pp * v, "layers": layers,
             "split": [[r.start, r.stop] for r in ranges], "split_by": cfg.dist.pp_split,
             "microbatches": m, "in_flight": in_flight,
-            "bubble": (pp - 1) / (v * m + pp - 1)}
+            "bubble": (pp - 1) / (v * m + pp - 1), "absent_numel": absent_numel(model, ranges, mine)}
 
 
-def absent_numel(cfg, info: dict) -> int:
-    """Parameters (and persistent buffers) the traced stage holds but this rank's stages do not."""
-    from mmtrain.models.multimodal import MultimodalModel
+def absent_numel(model, ranges: list[range], stages: list[int]) -> int:
+    """Parameters (and persistent buffers) of the blocks besides the decoder layers (which the traced
+    stage holds as the rank's) that `stages` do not hold, placed as the trainer places them."""
+    from mmtrain.parallel.pipeline import block_stage
+    from mmtrain.parallel.pipeline_replica import block_modules
 
-    with torch.device("meta"):
-        model = MultimodalModel(cfg.model)
-    dec, n_stages = model.decoder, info["n_stages"]
-    blocks = []
-    if 0 not in info["stages"]:
-        blocks += [model.vision, dec.embed]
-    if n_stages - 1 not in info["stages"]:
-        blocks += [dec.norm, dec.lm_head, model.visual_head]
-    return sum(t.numel() for b in blocks if b is not None for t in b.state_dict().values())
+    return sum(t.numel() for name, block in block_modules(model).items()
+               if not name.startswith("decoder.layers.") and block_stage(name, ranges) not in stages
+               for t in block.state_dict().values())
 
 
 def micro_batches_in_flight(schedule: str, pp: int, rank: int, m: int) -> float:
@@ -102,9 +99,9 @@ def micro_batches_in_flight(schedule: str, pp: int, rank: int, m: int) -> float:
 
 def stage_config(cfg, info: dict):
     """A copy of cfg whose decoder is this rank's layers, one micro-batch, no pp (the traced stage)."""
-    from mmtrain.plan.layers import layer_kinds, reduced
+    from mmtrain.plan.layers import reduced
 
-    kinds = layer_kinds(cfg.model.decoder)
+    kinds = cfg.model.decoder.layer_kinds()
     ids = info["layers"] or [0]  # a vision stage alone: one layer traced, its FLOPs dropped (`pipelined`)
     out = reduced(cfg, [kinds[i] for i in ids], cfg.model.vision.depth)
     out.dist.pp, out.train.grad_accum = 1, 1
@@ -132,7 +129,7 @@ def pipelined(trace, info: dict, cfg, dims, per_node: int):
                 for c, b in [v]}
     out.peak = dict(trace.peak)
     out.peak["activations"] = trace.peak.get("activations", 0) * info["in_flight"]
-    absent = absent_numel(cfg, info) * 4 / (dims.dp_shard * dims.cp * dims.tp)  # fp32 at rest, sharded
+    absent = info["absent_numel"] * 4 / (dims.dp_shard * dims.cp * dims.tp)  # fp32 at rest, sharded
     for key, per in (("parameters", 1), ("gradients", 1), ("optimizer state", 2)):  # AdamW: 2 moments
         if out.peak.get(key):  # gradients: absent where the peak comes before the backward
             out.peak[key] = max(0.0, out.peak[key] - per * absent)
