@@ -1,14 +1,14 @@
 """The trainer at TP(2) x PP(2) composed with activation checkpointing, FSDP and EP, and at TP(2) x
 PP(4) (gloo, one thread a rank): the losses, gradient norms (global and per part), token counts and
-MoE expert biases of one process on the same rows, step by step (test_pipeline.py's parity worker
-and checks). The plain TP(2) x PP(2) case runs in CI (test_pipeline.py); these with
+MoE expert biases of one process on the same rows, step by step (test_pipeline_trainer.py's parity worker
+and checks). The plain TP(2) x PP(2) case runs in CI (test_pipeline_trainer.py); these with
 MMTRAIN_SLOW_TESTS=1.
 """
 
 from __future__ import annotations
 
 import pytest
-from test_pipeline import _check_trainer_parity, _trainer_parity
+from test_pipeline_trainer import _check_trainer_parity, _trainer_parity
 
 pytestmark = pytest.mark.distributed
 SLOW = pytest.mark.slow  # make test-slow

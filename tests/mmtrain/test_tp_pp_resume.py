@@ -14,7 +14,7 @@ process kill/resume runs in CI; the rest with MMTRAIN_SLOW_TESTS=1.
 from __future__ import annotations
 
 import pytest
-from test_pipeline import _saved_and_loaded
+from test_pipeline_trainer import _saved_and_loaded
 from test_tensor_parallel import _assert_same_state
 
 pytestmark = pytest.mark.distributed
@@ -63,7 +63,7 @@ HEADS4 = ["model.decoder.n_heads=4", "model.decoder.n_kv_heads=4", "model.decode
 def test_killed_at_tp2_pp2_resumed_at_another_mesh_continues_the_run(make_raw, tmp_path, first, then, heads):
     """One data-parallel slot on both sides, so the data position resumes exactly: the losses after
     the resume are the uninterrupted run's, and so is the last evaluation. The uninterrupted run is
-    one process's (TP(2) x PP(2) gives its losses, test_pipeline.py), the cheapest to run."""
+    one process's (TP(2) x PP(2) gives its losses, test_pipeline_trainer.py), the cheapest to run."""
     import json
 
     from dist_runs import checkpoint_names, losses, reference_run, train, write_config
