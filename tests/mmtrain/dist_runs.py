@@ -257,10 +257,13 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
     dims = trainer.dims  # the rows of this rank's data-parallel slot
     mine = [split_rows(next(it), dims.dp_rank, dims.dp_size) for _ in range(steps * accum)]
     stats, bias, parts = [], [], []  # the balancing bias moves by the all-reduced expert loads of each step
+    balance, encoded = [], _count_encoded(trainer)
     for i in range(steps):
         stats.append(trainer.train_step(iter(mine[i * accum:(i + 1) * accum])))
         bias.append(expert_bias(trainer))
         parts.append(trainer.grad_parts.pop())  # log_every=1: grad_norm/*, update_ratio/*
+        balance.append({**trainer.balancer.weights(), **trainer.balancer.scalars()})  # weights after the step
+    encoded_R = _gathered(encoded[0], env)
     if env.is_main:
         Path(out).write_text(json.dumps({"loss": [s.loss for s in stats],
                                          "grad_norm": [s.grad_norm for s in stats],
@@ -271,10 +274,36 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
                                          "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                                          # the last step's attention counts (log_every=1; {} under cp / tp)
                                          "attn": {str(i): a for i, a in trainer.objective.attn_stats.items()},
-                                         "parts": parts}))
+                                         "parts": parts, "balance": balance,
+                                         # patches each rank's vision encoder took in (training forwards)
+                                         "encoded_patches": encoded_R}))
     if env.distributed:
         shutdown()
         exit_now(0)
+
+
+def _count_encoded(trainer) -> list[int]:
+    """[patches]: what this rank's vision encoder takes in, counted by a forward pre-hook (balanced or
+    not, the encoder module runs every encoding: vision.balance calls it on the patches it received)."""
+    count = [0]
+
+    def hook(module, args):
+        if module.training:
+            count[0] += int(args[0].shape[0])
+
+    trainer.raw_model.vision.register_forward_pre_hook(hook)
+    return count
+
+
+def _gathered(value: int, env) -> list[int]:
+    """Every rank's `value`, in rank order (one process: [value])."""
+    import torch.distributed as dist
+
+    if not env.distributed:
+        return [value]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
 
 
 def state_worker(config: str, out: str) -> None:

@@ -109,6 +109,10 @@ CONTEXT_MESHES = {  # (ranks, rows, overrides)
     "cp2-visual-next": (2, 2, ["dist.cp=2", "model.visual_head=true", "loss.visual_next.weight=1"]),
     # the mismatch contrast's swapped-media copies: rows like any other, split where the originals are
     "cp2-contrast": (2, 2, ["dist.cp=2", "loss.contrast.weight=1"]),
+    # token weighting's blank pass: a sharded forward of the same rows, the reliance's means the group's
+    "cp2-token-weighting": (2, 2, ["dist.cp=2", "loss.token_weighting.strength=1"]),
+    # GradNorm's head gradients: each rank's chunk of every row over the global counts, summed over ranks
+    "cp2-gradnorm": (2, 2, ["dist.cp=2", "loss.balancer.kind=gradnorm", "loss.balancer.lr=0.5"]),
     "fsdp2-cp2-ep2": (4, 4, ["dist.cp=2", "dist.ep=2"]),
 }
 
@@ -130,6 +134,10 @@ def test_context_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
     assert cp["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5, abs=0)
     assert cp["expert_bias"] == one["expert_bias"]  # the same expert loads, step by step
     assert cp["traffic"]["cp_kv_all_gather"] > 0 and cp["traffic"]["cp_kv_fetch"] > 0
+    for got, want in zip(cp["balance"], one["balance"], strict=True):  # weights, GradNorm's head norms
+        assert got == pytest.approx(want, rel=1e-5, abs=0)
+    if "gradnorm" in mesh:  # the weights did move
+        assert any(abs(cp["balance"][-1][t] - 1) > 1e-3 for t in ("text", "image_text", "video_text"))
 
 
 @pytest.mark.parametrize("mesh", [[], ["dist.ep=2"], ["dist.cp=2", *CP]], ids=["fsdp", "fsdp-ep2", "cp2"])

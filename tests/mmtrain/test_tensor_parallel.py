@@ -30,6 +30,11 @@ MESHES = {  # (ranks, rows, overrides)
     "tp2-cp2": (4, 2, ["dist.tp=2", "dist.cp=2", *HEADS[2], *TILE]),
     # the contrast's copies split over tp as any row (its CP(2) case is the fast one: test_distributed)
     "tp2-contrast": (2, 2, ["dist.tp=2", *HEADS[2], "loss.contrast.weight=1"]),
+    # token weighting's blank pass sharded over tp as the training forward (its CP(2) case is the fast one)
+    "tp2-token-weighting": (2, 2, ["dist.tp=2", *HEADS[2], "loss.token_weighting.strength=1"]),
+    # GradNorm's head gradients from each tp rank's tokens against the whole (replicated) LM head,
+    # summed over the world (its CP(2) case, the same row-chunk path, is the fast one: test_distributed)
+    "tp2-gradnorm": (2, 2, ["dist.tp=2", *HEADS[2], "loss.balancer.kind=gradnorm", "loss.balancer.lr=0.5"]),
     # each tp rank routes its own tokens within its ep group; FSDP sums the experts' grads over tp
     "tp2-ep2": (4, 2, ["dist.tp=2", "dist.ep=2", *HEADS[2]]),
     "hsdp2x2-tp2-ep2": (8, 4, ["dist.dp_replicate=2", "dist.tp=2", "dist.ep=2", *HEADS[2]]),
@@ -58,6 +63,8 @@ def _check(one: dict, tp: dict) -> None:
     assert tp["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5, abs=0)
     assert tp["expert_bias"] == one["expert_bias"]  # the same expert loads, step by step
     assert tp["traffic"]["tp_all_gather"] > 0 and tp["traffic"]["tp_reduce_scatter"] > 0
+    for got, want in zip(tp["balance"], one["balance"], strict=True):  # weights, GradNorm's head norms
+        assert got == pytest.approx(want, rel=1e-5, abs=0)
 
 
 @pytest.mark.parametrize("mesh", ["tp2", "tp2-ep2"])
@@ -66,11 +73,14 @@ def test_tensor_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
 
 
 @SLOW
-@pytest.mark.parametrize("mesh", ["tp4", "fsdp2-tp2", "tp2-cp2", "tp2-contrast", "tp2-ac-accum",
-                                  "tp2-compile", "fsdp2-cp2-tp2-ep2", "hsdp2x2-tp2-ep2"])
+@pytest.mark.parametrize("mesh", ["tp4", "fsdp2-tp2", "tp2-cp2", "tp2-contrast", "tp2-gradnorm",
+                                  "tp2-token-weighting", "tp2-ac-accum", "tp2-compile",
+                                  "fsdp2-cp2-tp2-ep2", "hsdp2x2-tp2-ep2"])
 def test_tensor_parallel_meshes_match_one_process(raw_for, tmp_path, mesh):
     one, tp = _parity(raw_for, tmp_path, mesh)
     _check(one, tp)
+    if "gradnorm" in mesh:  # the weights did move
+        assert any(abs(tp["balance"][-1][t] - 1) > 1e-3 for t in ("text", "image_text", "video_text"))
     assert one["graphs"] == 0 and (tp["graphs"] > 0) == ("dist.compile=true" in MESHES[mesh][2])
 
 

@@ -6,7 +6,14 @@
     mismatch_gap    diagnostics: loss with another document's media - with its own
 
 `check_signals(cfg, signals, who)` is RunConfig's one check for any declaring component: a
-diagnostics signal needs `diagnostics.every`; a whole-row signal does not combine with `dist.cp` or `dist.tp`.
+diagnostics signal needs `diagnostics.every`.
+
+The step signals hold under any split of the rows (dist.cp, dist.tp: each rank holds a chunk of
+every row). task_loss is the all-reduced sums over the all-reduced counts. head_grad_norm: each rank
+forms the closed-form gradient of its own tokens, each divided by its task's trained tokens on every
+rank (the objective's global counts), against the whole LM head (FSDP-gathered; tp does not split
+the head), and the (tasks, V, D) gradients are all-reduced over the world before the norm: the sum
+of the chunks' gradients is the whole rows' (tests: CP(2), TP(2) GradNorm parity with one process).
 """
 
 from __future__ import annotations
@@ -20,12 +27,11 @@ class Signal:
     source: str  # "step" (the objective, after each step not skipped) | "diagnostics" (each run)
     attr: str = ""  # diagnostics: the DiagResult property that holds it
     needs: str = ""  # diagnostics: a DiagConfig flag that must be on besides `every`
-    whole_rows: bool = False  # computed from forwards of whole rows: not under context parallelism
 
 
 SIGNALS = {
     "task_loss": Signal("step"),
-    "head_grad_norm": Signal("step", whole_rows=True),
+    "head_grad_norm": Signal("step"),
     "reliance_gap": Signal("diagnostics", attr="reliance_gap"),
     "mismatch_gap": Signal("diagnostics", attr="mismatch_gap", needs="mismatch"),
 }
@@ -40,7 +46,3 @@ def check_signals(cfg: Any, signals: tuple[str, ...], who: str) -> None:
             raise ValueError(f"{who} reads the {name} of the diagnostics: set diagnostics.every > 0")
         if sig.needs and not getattr(cfg.diagnostics, sig.needs):
             raise ValueError(f"{who} reads the {name}: set diagnostics.{sig.needs}: true")
-        for key in ("cp", "tp"):  # both split every row between ranks
-            if sig.whole_rows and getattr(cfg.dist, key) > 1:
-                raise ValueError(f"dist.{key}: > 1 does not combine with {who} (its {name} takes "
-                                 "whole-row forwards)")
