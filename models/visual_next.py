@@ -38,6 +38,12 @@ def next_pairs(grid_thw_M3: Tensor, merge: int) -> Tensor:
     return torch.nonzero(medium_Q[1:] == medium_Q[:-1]).flatten()
 
 
+def target_count(grid_thw_M3: Tensor, merge: int, values: int) -> int:
+    """K x T of `next_targets`: the values the media's next-token targets hold (no data read)."""
+    tokens_M = grid_thw_M3.long().prod(-1) // merge ** 2
+    return int((tokens_M - 1).clamp(min=0).sum()) * values
+
+
 def predicting_positions(modality_BS: Tensor, grid_thw_M3: Tensor, merge: int) -> tuple[Tensor, Tensor]:
     """-> (b_K, s_K): the decoder positions of the tokens of `next_pairs`, in its order."""
     b_Q, s_Q = torch.nonzero(modality_BS != 0, as_tuple=True)  # row-major: the scatter's order

@@ -4,8 +4,12 @@
     loss = step.run(batches, sums)   # forward + backward of every micro-batch; -> sum of loss / accum
 
 The micro-batches are the step's gradient-accumulation micro-batches (`train.grad_accum`), in
-order. Every rank of the pipeline prepares each of them (global token counts, the terms'
-before_forward hooks: the same collectives on every rank), the schedule runs the stages, and the
+order, each split into `parts` equal row parts when there are fewer than the schedule needs
+(`pipeline.row_parts`: tiny's grad_accum 1 at dist.pp 2 runs 2 micro-batches of 4 of its 8 rows).
+A part's terms take their means over its whole batch (`Objective.prepare(share_of=...)`: the
+batch's token counts, its visual targets), so the parts' losses add up to the batch's. Every rank
+of the pipeline prepares each micro-batch (global token counts, the terms' before_forward hooks:
+the same collectives on every rank), the schedule runs the stages, and the
 last stage's loss_fn is the objective's `finish` on a ModelOutput built from the stage's output:
 the hidden states, the LM head's logits and the MoE auxiliary losses carried across the stages.
 The loss_fn returns loss x data_world / accum, which is what the one-process loop backwards
@@ -21,6 +25,7 @@ import torch
 from mmtrain.data_pipelines.batch import PackedBatch
 from mmtrain.errors import UserError
 from mmtrain.models.multimodal import ModelOutput
+from mmtrain.objectives.terms import take_rows
 from mmtrain.parallel.pipeline import AUX_NAMES, StageModel, build_schedule, run_schedule
 
 # loss terms that need a second forward, extra rows or a stage they do not run on
@@ -40,10 +45,11 @@ def check_pipeline_objective(objective) -> None:
 
 class PipelineStep:
     def __init__(self, objective, parts: list[StageModel], schedule: str, pp_group, device: torch.device,
-                 accum: int, dtype: torch.dtype = torch.float32):
+                 accum: int, dtype: torch.dtype = torch.float32, row_parts: int = 1):
         check_pipeline_objective(objective)
         self.objective, self.parts, self.name = objective, parts, schedule
         self.group, self.device, self.accum, self.dtype = pp_group, device, accum, dtype
+        self.row_parts = row_parts  # each batch's rows in this many micro-batches
         self.last = next((p for p in parts if p.is_last), None)
         self.schedule = None  # built on the first step: its shapes come from the first batch
         self._loss = None
@@ -53,9 +59,9 @@ class PipelineStep:
         rank holding the last stage (float64, no host read), zero elsewhere."""
         if len(batches) != self.accum:
             raise ValueError(f"train.grad_accum: {self.accum} micro-batches expected, got {len(batches)}")
-        mbs = [self.objective.prepare(b, sums) for b in batches]
+        mbs = [mb for b in batches for mb in self._prepare(b, sums)]
         if self.schedule is None:
-            self.schedule = build_schedule(self.name, self.parts, self.group, self.device, self.accum,
+            self.schedule = build_schedule(self.name, self.parts, self.group, self.device, len(mbs),
                                            self._loss_fn, mbs[0].inputs, self.dtype)
         measured = self.objective.measures_attention  # a log step: the layers count what they visit
         for part in self.parts:
@@ -71,6 +77,18 @@ class PipelineStep:
                 self.objective.add_attention(counts)
             part.measure_attn = False
         return self._loss
+
+    def _prepare(self, batch: PackedBatch, sums) -> list:
+        """The batch's micro-batches: itself, or its `row_parts` equal row parts (with their media)."""
+        k = self.row_parts
+        if k == 1:
+            return [self.objective.prepare(batch, sums)]
+        B = batch.tokens_BS.shape[0]
+        if B % k:
+            raise ValueError(f"a batch of {B} rows does not split into {k} equal micro-batches")
+        rows_kR = torch.arange(B, device=batch.tokens_BS.device).view(k, B // k)
+        return [self.objective.prepare(take_rows(batch, rows_R), sums, share_of=batch, shares=k)
+                for rows_R in rows_kR]
 
     def _loss_fn(self, output: tuple[torch.Tensor, torch.Tensor], mb) -> torch.Tensor:
         h_BSD, aux_2 = output

@@ -35,6 +35,7 @@ from mmtrain.parallel.context_parallel import context_shard
 from mmtrain.parallel.dims import ParallelDims
 from mmtrain.parallel.distributed import DistEnv, all_reduce
 from mmtrain.parallel.parallelize import build_model, clip_grad_norm, grad_sync, scale_expert_grads
+from mmtrain.parallel.pipeline import row_parts
 from mmtrain.parallel.pipeline_model import PipelineModel
 
 
@@ -109,9 +110,10 @@ class PipelineTrainModule:
 
     def bind(self, objective) -> None:
         """The schedule's loss_fn is the objective's (refuses the terms it cannot run, in one line)."""
-        pipe = self.pipeline
-        self.step = PipelineStep(objective, pipe.parts, self.cfg.dist.pp_schedule, pipe.group, self.device,
-                                 self.cfg.train.grad_accum, pipe.boundary_dtype)
+        pipe, cfg = self.pipeline, self.cfg
+        parts = row_parts(cfg.dist.pp_schedule, pipe.dims.pp, cfg.data.batch_size, cfg.train.grad_accum)
+        self.step = PipelineStep(objective, pipe.parts, cfg.dist.pp_schedule, pipe.group, self.device,
+                                 cfg.train.grad_accum, pipe.boundary_dtype, parts)
 
     def grad_parts(self) -> GradParts:
         return GradParts(self.trained, self.pipeline.part_norm)

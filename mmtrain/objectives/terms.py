@@ -93,14 +93,16 @@ def reweighted(losses: TaskLosses, weights_BS: torch.Tensor, labels_BS: torch.Te
 
 
 def visual_next_loss(pred_KT: torch.Tensor, patches_NP: torch.Tensor, grid_thw_M3: torch.Tensor,
-                     merge: int, normalize: bool, keep_K: torch.Tensor | None = None) -> torch.Tensor:
+                     merge: int, normalize: bool, keep_K: torch.Tensor | None = None,
+                     count: int | None = None) -> torch.Tensor:
     """fp32 MSE of the visual head's pixels (`ModelOutput.visual_next_KT`) against the next tokens'
     (models/visual_next.py), mean over the predicted tokens and their values. No token with a
     target (no media, or one-token media): 0, still tied to the head (DDP wants its gradient).
     `keep_K` (context parallelism: the pairs in this rank's chunk, `visual_next.chunk_pairs`): the
-    squared errors of those tokens over the whole rows' count, so the ranks' terms add up to it."""
+    squared errors of those tokens over the whole rows' count, so the ranks' terms add up to it.
+    `count` (a pipeline's row part of a batch): the divisor, the batch's K x T (`target_count`)."""
     target_KT = next_targets(patches_NP, grid_thw_M3, merge, normalize)
-    count = max(target_KT.numel(), 1)
+    count = max(target_KT.numel() if count is None else count, 1)
     if keep_K is not None:
         target_KT = target_KT[keep_K.to(target_KT.device)]
     return (pred_KT.float() - target_KT).square().sum() / count

@@ -101,6 +101,21 @@ def schedule_class(name: str):
     return SCHEDULES[name]
 
 
+def row_parts(schedule: str, pp: int, rows: int, accum: int) -> int:
+    """Into how many equal row parts each of a step's `accum` batches is split so that the schedule
+    has the micro-batches it needs: one a rank (DualPipeV: one a stage), torchtitan's default of
+    splitting the batch into the pipeline's micro-batches. 1 when `train.grad_accum` gives enough;
+    else the fewest parts dividing `rows` (the stages' shapes are static: every part equal)."""
+    need = 2 * pp if schedule == "DualPipeV" else pp
+    if accum >= need:
+        return 1
+    for parts in range(-(-need // accum), rows + 1):
+        if rows % parts == 0:
+            return parts
+    raise UserError(f"data.batch_size: {rows} rows x train.grad_accum {accum} make fewer than the {need} "
+                    f"micro-batches dist.pp_schedule {schedule} needs at dist.pp {pp}; raise either")
+
+
 def stages_per_rank(name: str) -> int:
     return 1 if issubclass(schedule_class(name), PipelineScheduleSingle) else 2
 

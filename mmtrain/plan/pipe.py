@@ -19,13 +19,14 @@ micro-batch, by the plan's usual trace (one layer per kind, scaled). Stated, not
   `dist.pp_vision_stage`) is traced with one layer (the model needs one): its memory and traffic
   an upper bound, its FLOPs not counted;
 - memory: the traced micro-batch's activations (all the rank's layers) x the micro-batches in flight
-  at the peak, in those units, as torch's schedules order them (`in_flight`; tests/mmtrain/test_plan.py
-  counts the forwards not yet backwarded in torch's own per-rank action lists): GPipe all
-  `grad_accum`; 1F1B pp - rank; Interleaved1F1B (its warm-up forwards + 1) / v, the warm-up being
+  at the peak, in those units (m micro-batches: `grad_accum` x the trainer's row parts,
+  `pipeline.row_parts`, each of `rows` rows), as torch's schedules order them (`in_flight`;
+  tests/mmtrain/test_plan.py counts the forwards not yet backwarded in torch's own per-rank action
+  lists): GPipe all m; 1F1B pp - rank; Interleaved1F1B (its warm-up forwards + 1) / v, the warm-up being
   (v - 1) x the micro-batches a round + 2 (pp - 1 - rank) stage-forwards; ZBVZeroBubble
   min(2 pp, m + 1 + rank) stage-forwards (pp rank-units once m >= 2 pp - 1); DualPipeV is
   planned as ZBVZeroBubble, unverified;
-- per step: FLOPs, every per-layer collective x `grad_accum`: all-to-alls, all-gathers (FSDP
+- per step: FLOPs, every per-layer collective x m: all-to-alls, all-gathers (FSDP
   reshards after each micro-batch's forward) and every collective on the tp / cp / seq groups
   (the activations' all-gathers and reduce-scatters); FSDP's gradient reduce-scatters, HSDP's
   all-reduce, the loop's norms and sums and the optimizer once;
@@ -54,9 +55,11 @@ def stage_plan(cfg, dims) -> dict:
     """{"stages", "layers", "n_stages", "schedule", "microbatches", "in_flight", "bubble",
     "absent_numel"} of this rank."""
     from mmtrain.models.multimodal import MultimodalModel
-    from mmtrain.parallel.pipeline import stage_ids, stage_ranges, stages_per_rank
+    from mmtrain.parallel.pipeline import row_parts, stage_ids, stage_ranges, stages_per_rank
 
-    schedule, pp, m = cfg.dist.pp_schedule, dims.pp, cfg.train.grad_accum
+    schedule, pp = cfg.dist.pp_schedule, dims.pp
+    parts = row_parts(schedule, pp, cfg.data.batch_size, cfg.train.grad_accum)  # the trainer's split
+    m = cfg.train.grad_accum * parts
     v = stages_per_rank(schedule)
     with torch.device("meta"):
         model = MultimodalModel(cfg.model)
@@ -66,7 +69,7 @@ def stage_plan(cfg, dims) -> dict:
     in_flight = micro_batches_in_flight(schedule, pp, dims.pp_rank, m)
     return {"schedule": schedule, "stages": mine, "n_stages": pp * v, "layers": layers,
             "split": [[r.start, r.stop] for r in ranges], "split_by": cfg.dist.pp_split,
-            "microbatches": m, "in_flight": in_flight,
+            "microbatches": m, "rows": cfg.data.batch_size // parts, "in_flight": in_flight,
             "bubble": (pp - 1) / (v * m + pp - 1), "absent_numel": absent_numel(model, ranges, mine)}
 
 
@@ -105,6 +108,7 @@ def stage_config(cfg, info: dict):
     ids = info["layers"] or [0]  # a vision stage alone: one layer traced, its FLOPs dropped (`pipelined`)
     out = reduced(cfg, [kinds[i] for i in ids], cfg.model.vision.depth)
     out.dist.pp, out.train.grad_accum = 1, 1
+    out.data.batch_size = info["rows"]  # a micro-batch: a row part of a batch when the trainer splits
     return out
 
 
@@ -135,7 +139,7 @@ def pipelined(trace, info: dict, cfg, dims, per_node: int):
             out.peak[key] = max(0.0, out.peak[key] - per * absent)
     cuda_bf16 = cfg.train.device == "cuda" and cfg.train.dtype == "bfloat16"
     width = 2 if cuda_bf16 else 4
-    h = cfg.data.batch_size * (cfg.data.seq_len // dims.seq_size) * cfg.model.decoder.dim * width + 2 * 4
+    h = info["rows"] * (cfg.data.seq_len // dims.seq_size) * cfg.model.decoder.dim * width + 2 * 4
     sends = sum((s < n - 1) + (s > 0) for s in info["stages"]) * m  # forward out, backward out
     out.comm[("pp", "send_recv")] = [sends, float(sends * h)]
     out.mesh = {**trace.mesh, "pp": dims.pp}

@@ -61,11 +61,14 @@ def _check_trainer_parity(one: dict, pp: dict) -> None:
 
 @pytest.mark.distributed
 def test_trainer_at_pp2_matches_one_process(raw_for, tmp_path):
-    """`mmtrain train`'s step at PP(2) x 1F1B (2 ranks, gloo): the losses, gradient norms (global and
-    per part), token counts and MoE expert biases of one process on the same rows, step by step, with
-    tiny's next-visual-token term (its head on the last stage)."""
+    """`mmtrain train`'s step at PP(2) x 1F1B (2 ranks, gloo) with configs/tiny.yaml's grad_accum 1:
+    each batch's 4 rows split into the schedule's 2 micro-batches (torch refuses 1), and the losses,
+    gradient norms (global and per part), token counts and MoE expert biases of one process on the
+    same rows, step by step, with tiny's next-visual-token term (its head on the last stage): every
+    term's mean is the batch's, not the micro-batch's."""
     one, pp = _trainer_parity(raw_for, tmp_path, 2, ["dist.pp=2"],
-                              base=["model.visual_head=true", "loss.visual_next.weight=1"])
+                              base=["data.batch_size=4", "train.grad_accum=1", "model.visual_head=true",
+                                    "loss.visual_next.weight=1"])
     _check_trainer_parity(one, pp)
     # the attention counts of every layer reach the log from the stage holding it; the sparse layer
     # really selects (kept 46% of the reachable blocks here)

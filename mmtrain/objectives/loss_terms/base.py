@@ -53,6 +53,10 @@ class MicroBatch:
     head: Head | None = None  # per-token CE / lse of any rows of the forward (heads.py)
     losses: TaskLosses | None = None  # the batch's own rows' task losses (unweighted)
     whole: PackedBatch | None = None  # under CP / TP: the whole rows `batch` is this rank's chunk of
+    # a pipeline's row split (loop/pipeline_step.py): the step's batch these rows are one of `shares`
+    # equal parts of; a term's means are then over that batch (counts_T is its), not over these rows
+    share_of: PackedBatch | None = None
+    shares: int = 1
 
     @property
     def rows(self) -> int:

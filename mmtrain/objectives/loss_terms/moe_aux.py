@@ -1,5 +1,7 @@
 """The model's auxiliary losses (MoE sequence balance, router z-loss): always on when the model has
-them; means over rows / tokens, so each rank adds its share 1 / world."""
+them; means over rows / token slots, so each rank adds its share 1 / world, and each of a pipeline's
+equal row parts of a batch (`mb.shares`) its share of that (the batch's mean when every row has a
+token of each expert group: a row without any counts in no part's mean, as in one process's)."""
 
 from __future__ import annotations
 
@@ -17,4 +19,5 @@ class MoEAux(Term):
         return True
 
     def loss(self, mb: MicroBatch) -> list[torch.Tensor]:
-        return [aux / mb.world if mb.world > 1 else aux for aux in mb.out.aux_losses.values()]
+        n = mb.world * mb.shares
+        return [aux / n if n > 1 else aux for aux in mb.out.aux_losses.values()]

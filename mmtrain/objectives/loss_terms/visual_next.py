@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from mmtrain.checks import check
-from mmtrain.models.visual_next import chunk_pairs
+from mmtrain.models.visual_next import chunk_pairs, target_count
 from mmtrain.objectives.loss_terms.base import MicroBatch, Reported, Term, register
 from mmtrain.objectives.terms import visual_next_loss
 
@@ -40,11 +40,15 @@ class VisualNext(Term):
         if mb.out.visual_next_KT is None:
             return None
         # a mean over this rank's predicted tokens (the forward's media: with the contrast, the copies')
-        vn = self._term(mb.out.visual_next_KT, mb.inputs)
+        # a pipeline's row part of a batch: its squared errors over the batch's count (the parts add up)
+        pred_KT = mb.out.visual_next_KT
+        count = None if mb.share_of is None else target_count(
+            mb.share_of.grid_thw_M3, self.obj.cfg.model.vision.merge, pred_KT.shape[-1])
+        vn = self._term(pred_KT, mb.inputs, count)
         mb.sums.visual_next += vn.detach().double()
         return self.cfg.weight * vn / mb.world
 
-    def _term(self, pred_KT: torch.Tensor, inputs: dict) -> torch.Tensor:
+    def _term(self, pred_KT: torch.Tensor, inputs: dict, count: int | None = None) -> torch.Tensor:
         """Context parallelism: its chunk's squared errors over the group's count, times the group
         size -- so that the group's terms over `world` add up to the rows' mean over data-parallel
         ranks, as a mean per rank does without it."""
@@ -52,7 +56,7 @@ class VisualNext(Term):
         keep_K = None if c is None else chunk_pairs(inputs["modality_BS"], inputs["grid_thw_M3"], merge,
                                                     c.lo, c.hi)[2]
         vn = visual_next_loss(pred_KT, inputs["patches_NP"], inputs["grid_thw_M3"], merge,
-                              self.cfg.normalize, keep_K)
+                              self.cfg.normalize, keep_K, count)
         return vn if c is None else vn * c.comm.size
 
     @classmethod
