@@ -153,9 +153,6 @@ class RunConfig:
                              f"lcm(block_size, full_tile) = {unit}")
         if self.dist.strategy != "fsdp":
             raise ValueError("dist.cp: > 1 needs dist.strategy: fsdp")
-        if self.loss.token_weighting.strength:
-            raise ValueError("dist.cp: > 1 does not combine with loss.token_weighting (it takes "
-                             "whole-row forwards of its own)")
 
     def _check_objectives(self) -> None:
         if self.loss.visual_ssl.weight > 0 and not self.model.vision.ssl_head:

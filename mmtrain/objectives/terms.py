@@ -21,6 +21,7 @@ that adds nothing to any sum: a rank short of batches forwards it when forwards 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -115,21 +116,28 @@ def media_tokens(labels_BS: torch.Tensor, task_BS: torch.Tensor) -> torch.Tensor
 
 @torch.no_grad()
 def reliance_weights(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, labels_BS: torch.Tensor,
-                     task_BS: torch.Tensor, strength: float, floor: float) -> torch.Tensor:
+                     task_BS: torch.Tensor, strength: float, floor: float,
+                     group_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """(B, S) fp32 loss weights: 1 except on the media tasks' trained tokens, where
     w = (1 - strength) + strength * r / mean_task(r), r = max(ce_blank - ce_real, 0) + floor.
 
     The mean is over the task's trained tokens here, so each task's weights average 1 and
     its loss keeps its scale; `floor` (nats, > 0) keeps a token the pixels do not help from
-    dropping out, and makes equal deltas give weights of 1.
+    dropping out, and makes equal deltas give weights of 1. `group_sum` (rows split over a cp / tp
+    group, each rank holding a chunk of them): an in-place sum over the group, of every task's sum
+    of r and token count in one tensor, so the mean is the whole rows'.
     """
     trained_BS = labels_BS != IGNORE_INDEX
     r_BS = (ce_blank_BS.float() - ce_real_BS.float()).clamp(min=0) + floor
+    sels = [trained_BS & (task_BS == task_id) for task_id in MEDIA_TASK_IDS]  # (B, S) each
+    r_sums = torch.stack([(r_BS * sel_BS).sum() for sel_BS in sels])
+    counts = torch.stack([sel_BS.sum() for sel_BS in sels])
+    if group_sum is not None:  # one small all-reduce: float64 keeps the counts exact
+        both = group_sum(torch.stack([r_sums.double(), counts.double()]))
+        r_sums, counts = both[0].to(r_BS.dtype), both[1].long()
     w_BS = torch.ones_like(r_BS)
-    for task_id in MEDIA_TASK_IDS:
-        sel_BS = trained_BS & (task_BS == task_id)
-        mean = (r_BS * sel_BS).sum() / sel_BS.sum().clamp(min=1)
-        w_BS = torch.where(sel_BS, (1 - strength) + strength * r_BS / mean, w_BS)
+    for sel_BS, r_sum, n in zip(sels, r_sums, counts):
+        w_BS = torch.where(sel_BS, (1 - strength) + strength * r_BS / (r_sum / n.clamp(min=1)), w_BS)
     return w_BS
 
 

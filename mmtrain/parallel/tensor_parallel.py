@@ -188,9 +188,6 @@ def check_tp(cfg: RunConfig, dims: ParallelDims) -> None:
         (cfg.data.seq_len % (dims.cp * tp) == 0,
          f"data.seq_len: {cfg.data.seq_len} must be a multiple of dist.cp x dist.tp = {dims.cp * tp}"),
         (cfg.vision.balance == "none", "vision.balance: not with dist.tp > 1 (use vision.balance: none)"),
-        # as under cp: it adds whole-row forwards of its own to the training step
-        (not cfg.loss.token_weighting.strength,
-         "loss.token_weighting: not with dist.tp > 1 (it takes whole-row forwards of its own)"),
     ]
     for ok, message in rules:
         if not ok:

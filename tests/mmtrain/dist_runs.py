@@ -269,6 +269,8 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
                                          "grad_norm": [s.grad_norm for s in stats],
                                          "tokens": [s.tokens for s in stats], "expert_bias": bias,
                                          "task_tokens": [s.task_tokens for s in stats],
+                                         # token weighting's logged figures (None: off)
+                                         "token_weighting": [s.figures.get("token_weighting") for s in stats],
                                          "traffic": trainer.traffic.sent,  # all steps (no fit)
                                          # dist.compile: the graphs Dynamo made on rank 0 (0 if eager)
                                          "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],

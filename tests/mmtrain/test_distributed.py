@@ -136,6 +136,10 @@ def test_context_parallel_ranks_match_one_process(raw_for, tmp_path, mesh):
     assert cp["traffic"]["cp_kv_all_gather"] > 0 and cp["traffic"]["cp_kv_fetch"] > 0
     for got, want in zip(cp["balance"], one["balance"], strict=True):  # weights, GradNorm's head norms
         assert got == pytest.approx(want, rel=1e-5, abs=0)
+    if "token-weighting" in mesh:  # the logged reliance figures: the whole rows', not the chunks'
+        for got, want in zip(cp["token_weighting"], one["token_weighting"], strict=True):
+            assert (got["mean_delta"], got["top_decile_weight"]) == pytest.approx(
+                (want["mean_delta"], want["top_decile_weight"]), rel=1e-5, abs=0)
     if "gradnorm" in mesh:  # the weights did move
         assert any(abs(cp["balance"][-1][t] - 1) > 1e-3 for t in ("text", "image_text", "video_text"))
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).resolve().parent / "hang_worker.py"
 SLOW = pytest.mark.slow  # make test-slow
 TP_HEADS = ["model.decoder.n_kv_heads=2"]  # a tp rank holds whole KV groups
-ALL_TERMS = ["loss.contrast.weight=1", "loss.token_weighting.strength=0.5"]  # weighting: not at cp / tp
+ALL_TERMS = ["loss.contrast.weight=1", "loss.token_weighting.strength=0.5"]
 BASE = ["dist.timeout_s=15", "model.visual_head=true", "loss.visual_next.weight=1",
         "model.decoder.ffn_chunk=96", "model.decoder.attention.full_tile=16", "data.batch_size=2"]
 PP = ["dist.pp=2", "train.grad_accum=2", "loss.visual_next.weight=0"]  # 2 micro-batches: one a stage
@@ -30,12 +30,15 @@ MESHES = {  # (ranks, overrides)
                         *ALL_TERMS]),
     # ffn_chunk on without activation checkpointing: its chunks checkpoint, so the grouped_mm probe
     # must have run before the first one (a probe inside one broke its recompute: CheckpointError)
-    # the contrast's per-document sums over the cp group: a copy whose chunk is padding still joins
-    "cp2": (2, ["dist.cp=2", "vision.balance=dp_cp", "loss.contrast.weight=1"]),
-    "fsdp2-cp2-ep2": (4, ["dist.cp=2", "dist.ep=2", "dist.activation_checkpointing=true"]),
+    # the contrast's per-document sums over the cp group: a copy whose chunk is padding still joins;
+    # token weighting's blank pass: rows chosen from the whole rows, a chunk without media joins it
+    "cp2": (2, ["dist.cp=2", "vision.balance=dp_cp", *ALL_TERMS]),
+    # a data rank without media joins the others' blank pass with the pad batch, split over its cp group
+    "fsdp2-cp2-ep2": (4, ["dist.cp=2", "dist.ep=2", "dist.activation_checkpointing=true",
+                          "loss.token_weighting.strength=0.5"]),
     # tp: the sequence chunk is the (cp, tp) group's, so `tail` leaves the last tp rank padding only;
-    # tp refuses token weighting and vision.balance (check_tp)
-    "tp2": (2, ["dist.tp=2", *TP_HEADS, "loss.contrast.weight=1"]),
+    # tp refuses vision.balance (check_tp)
+    "tp2": (2, ["dist.tp=2", *TP_HEADS, *ALL_TERMS]),
     # pp: the two data ranks' micro-batches differ (all-padding, media-free) while each pipeline's two
     # stages read the same ones; visual_next is refused at pp (check_pipeline_objective)
     "pp2-fsdp2": (4, [*PP]),

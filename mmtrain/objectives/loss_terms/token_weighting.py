@@ -19,7 +19,7 @@ class TokenWeightingTerm(Term):
         super().__init__(obj)
         self.tw = TokenWeighting(self.cfg, obj.model, obj.device, obj.autocast, obj.pad_batch,
                                  obj.cfg.dist.strategy == "fsdp", obj.cfg.loss.ce_chunk,
-                                 lambda: head_weight(obj.raw_model))
+                                 lambda: head_weight(obj.raw_model), context=obj.context)
         self._blank_BS = None
 
     @classmethod
@@ -27,8 +27,10 @@ class TokenWeightingTerm(Term):
         return bool(loss_cfg.token_weighting.strength)
 
     def before_forward(self, mb: MicroBatch) -> None:
-        # first, so that its activations are gone before the training graph's
-        self._blank_BS = self.tw.blank_ce(mb.batch, mb.counts_T, mb.sums.token_weighting)
+        # first, so that its activations are gone before the training graph's; under cp / tp it
+        # reads the whole rows (the model does) and gives this rank's chunk, as mb.batch
+        rows = mb.batch if mb.whole is None else mb.whole
+        self._blank_BS = self.tw.blank_ce(rows, mb.counts_T, mb.sums.token_weighting)
 
     def reweight(self, mb: MicroBatch, losses: TaskLosses) -> TaskLosses:
         blank_BS, self._blank_BS = self._blank_BS, None
