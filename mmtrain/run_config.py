@@ -126,8 +126,8 @@ class RunConfig:
     def __post_init__(self):
         self._check_objectives()
         self._check_context_parallel()
-        if self.vision.balance == "dp_cp" and self.dist.cp == 1:
-            raise ValueError("vision.balance: dp_cp needs dist.cp > 1 (use dp)")
+        if self.vision.balance == "dp_cp" and self.dist.cp * self.dist.tp == 1:
+            raise ValueError("vision.balance: dp_cp needs dist.cp or dist.tp > 1 (use dp)")
         known = {s.name for s in self.data.train}
         for i, stage in enumerate(self.train.stages):
             for name in stage.sources:

@@ -32,7 +32,8 @@ per layer (parallelize.shard_blocks), which sums their per-tp-rank gradients. Th
 norms' D-vectors and the router's (E, D): TP's saving is the four matmul weights.
 
 The vision encoder is replicated over tp (every rank of a (cp, tp) group encodes the rows' media,
-as under CP), FSDP-sharded over dp x tp with the embeddings and the head.
+as under CP; `vision.balance: dp_cp` encodes each medium once in the world instead), FSDP-sharded
+over dp x tp with the embeddings and the head.
 
 Legend: B rows, s this rank's tokens of a row, S' the tp group's, D model dim, T tokens, P ranks.
 """
@@ -187,7 +188,6 @@ def check_tp(cfg: RunConfig, dims: ParallelDims) -> None:
          f"model.decoder.moe.expert_dim: the shared expert's width must be a multiple of dist.tp {tp}"),
         (cfg.data.seq_len % (dims.cp * tp) == 0,
          f"data.seq_len: {cfg.data.seq_len} must be a multiple of dist.cp x dist.tp = {dims.cp * tp}"),
-        (cfg.vision.balance == "none", "vision.balance: not with dist.tp > 1 (use vision.balance: none)"),
     ]
     for ok, message in rules:
         if not ok:

@@ -8,11 +8,12 @@ encoder's gradients are those of each rank encoding its own media. A rank that e
 still runs every block (VisionEncoder's blank frame): FSDP's collectives stay matched.
 
     none    each rank encodes the media of its rows (the default; no collective)
-    dp      balanced over the ranks with the same cp coordinate (each cp rank still encodes all
-            the media of its rows, as without balancing)
-    dp_cp   balanced over the world; a cp group's ranks hold the same rows, so each of their media
-            is encoded once in the world and its tokens go to the ranks of the group whose chunk
-            holds one of its placeholders
+    dp      balanced over the data ranks with the same (cp, tp) coordinate (each cp and tp rank
+            still encodes all the media of its rows, as without balancing)
+    dp_cp   balanced over the world; a (cp, tp) group's ranks hold the same rows, so each of their
+            media is encoded once in the world and its tokens go to the ranks of the group whose
+            chunk holds one of its placeholders (tp: the encoder is replicated, not split, so its
+            tp ranks would otherwise encode the same media tp times)
 
 Installed as `MultimodalModel.encode_media`, used by training forwards only. Two passes stay local:
 - eval forwards (evaluate, diagnostics, probe, captioning): not every one runs on every rank in
@@ -147,15 +148,18 @@ class VisionBalancer(Callback):
 
 def balance_group(kind: str, dims) -> tuple[dist.ProcessGroup | None, int]:
     """-> (the balance group, ranks per unit); None when there is nothing to balance. Every rank
-    calls it (new_group is collective)."""
+    calls it (new_group is collective). A unit is a (cp, tp) group (`seq_size` consecutive ranks,
+    group rank = seq_rank: the row chunk `_need` reads)."""
     if kind == "none" or dims.world_size == 1:
         return None, 1
+    seq = dims.seq_size
     if kind == "dp_cp":
-        return dist.group.WORLD, dims.cp
-    if dims.cp == 1:
+        return dist.group.WORLD, seq
+    if seq == 1:
         return (dist.group.WORLD, 1) if dims.dp_size > 1 else (None, 1)
-    groups = [dist.new_group([dims.rank_of(dp, c) for dp in range(dims.dp_size)]) for c in range(dims.cp)]
-    return (groups[dims.cp_rank], 1) if dims.dp_size > 1 else (None, 1)
+    groups = [dist.new_group([dims.rank_of(dp, s // dims.tp, s % dims.tp) for dp in range(dims.dp_size)])
+              for s in range(seq)]
+    return (groups[dims.seq_rank], 1) if dims.dp_size > 1 else (None, 1)
 
 
 def install(model, cfg: VisionBalanceConfig, dims, traffic: Traffic | None = None) -> str:

@@ -88,7 +88,6 @@ def test_tensor_parallel_meshes_match_one_process(raw_for, tmp_path, mesh):
     ([], "model.decoder.n_kv_heads"),  # the tiny model's one KV head cannot split
     ([*HEADS[2], "model.decoder.ffn_dim=63"], "model.decoder.ffn_dim"),
     ([*HEADS[2], "data.seq_len=191"], "data.seq_len"),
-    ([*HEADS[2], "vision.balance=dp"], "vision.balance"),
 ])
 def test_what_tp_cannot_split_is_one_line_naming_the_key(make_config, tmp_path, overrides, key):
     from mmtrain.errors import UserError

@@ -71,10 +71,71 @@ def test_balanced_encoding_matches_one_process(raw_for, reference, tmp_path, mes
     assert bal["expert_bias"] == one["expert_bias"]  # the same expert loads, step by step
 
 
+HEADS = "model.decoder.n_kv_heads=2"  # a tp rank holds whole KV groups
+TP_MESHES = {  # (ranks, rows, overrides); the encoder is replicated over tp, its rows' media on each tp rank
+    # dp_cp: each medium once in the world, its tokens to the tp ranks whose chunk reads them
+    "tp2-dp_cp": (2, 2, ["dist.tp=2", "vision.balance=dp_cp"]),
+    # dp among the data ranks of one tp coordinate (a group per coordinate, as fsdp2-cp2-dp's)
+    "fsdp2-tp2-dp": (4, 2, ["dist.tp=2", "vision.balance=dp"]),
+    # MMTRAIN_SLOW_TESTS=1: media across tp groups (tp2-dp_cp keeps dp_cp's tp path in CI, and
+    # fsdp2-cp2-ep2-dp_cp the sends between units)
+    "fsdp2-tp2-dp_cp": (4, 2, ["dist.tp=2", "vision.balance=dp_cp"]),
+}
+
+
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=SLOW) if m == "fsdp2-tp2-dp_cp" else m
+                                  for m in TP_MESHES])
+def test_balance_under_tp_matches_it_off_and_spreads_the_encoding(raw_for, tmp_path, mesh):
+    """The same run with the balance off and on (TP off = one process: test_tensor_parallel.py);
+    the patches each rank's encoder took in, counted: dp_cp encodes each medium once in the world,
+    where each tp rank encodes all of its rows' media without it; dp moves media between the data
+    ranks of one tp coordinate, so its busiest rank encodes no more than without it."""
+    nproc, rows, overrides = TP_MESHES[mesh]
+    runs = {}
+    for name, sets in (("off", [o for o in overrides if not o.startswith("vision.")]), ("on", overrides)):
+        config = write_config(raw_for, tmp_path / name, [f"data.batch_size={rows}", HEADS, *sets])
+        launch([str(WORKER), "parity", str(config), str(tmp_path / f"{name}.json"), STEPS], nproc=nproc)
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    off, on = runs["off"], runs["on"]
+    assert on["tokens"] == off["tokens"]
+    assert on["loss"] == pytest.approx(off["loss"], rel=1e-5, abs=0)
+    assert on["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-5, abs=0)
+    assert on["expert_bias"] == off["expert_bias"]
+    assert on["traffic"].get("vision_tokens", 0) > 0 and on["traffic"]["tp_all_gather"] > 0
+    got, was = on["encoded_patches"], off["encoded_patches"]  # per rank, 5 steps
+    assert was[0::2] == was[1::2]  # without the balance: a tp pair encodes the same media
+    if "dp_cp" in mesh:  # each medium once: the world's total of the rows' media, split over all ranks
+        assert sum(got) == sum(was) // 2
+        assert all(g < w for g, w in zip(got, was)), (got, was)
+    else:  # each tp coordinate balances the same media the same way; the busiest rank no busier
+        assert got[0::2] == got[1::2] and sum(got) == sum(was) and max(got) <= max(was)
+
+
+@pytest.mark.parametrize("cp, tp", [(1, 2), (2, 2)])
+def test_balance_groups_are_the_data_ranks_of_one_row_chunk(cp, tp):
+    """dp: a group per (cp, tp) coordinate, its data ranks (a tp pair holds the same media, so the
+    world would balance copies); dp_cp: the world, in units of the cp x tp ranks of one rows' slot."""
+    import torch.distributed as dist
+    from dist_runs import fake_process_group
+
+    from mmtrain.parallel.config import DistConfig
+    from mmtrain.parallel.dims import ParallelDims
+    from mmtrain.parallel.vision_balance import balance_group
+
+    world = 2 * cp * tp  # dp_shard 2
+    for rank in range(world):
+        with fake_process_group(world, rank):
+            dims = ParallelDims.from_config(DistConfig(cp=cp, tp=tp), world, rank)
+            group, unit = balance_group("dp", dims)
+            assert unit == 1 and dist.get_process_group_ranks(group) == [
+                r for r in range(world) if r % (cp * tp) == dims.seq_rank]
+            assert balance_group("dp_cp", dims) == (dist.group.WORLD, cp * tp)
+
+
 def test_config_names_a_bad_balance(raw_for, tmp_path):
     raw = raw_for(tmp_path / "run")
     apply_override(raw, "vision.balance=dp_cp")
-    with pytest.raises(ConfigError, match="dp_cp needs dist.cp > 1"):
+    with pytest.raises(ConfigError, match="dp_cp needs dist.cp or dist.tp > 1"):
         from_dict(RunConfig, raw, source="t")
     apply_override(raw, "vision.balance=ranks")
     with pytest.raises(ConfigError, match="vision.balance: must be one of"):
