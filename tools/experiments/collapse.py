@@ -9,6 +9,7 @@ not run again, so an interrupted experiment continues where it stopped.
     python -m tools.experiments.collapse                        # the whole experiment (< 1 h, 2 cores)
     python -m tools.experiments.collapse --arms static,staged --seeds 0
     python -m tools.experiments.collapse --smoke --out /tmp/smoke   # seconds: wiring only (CI)
+    python -m tools.experiments.collapse --arms contrast --seeds 4 --nproc 2 --set dist.cp=2  # torchrun
 
 Writes OUT/results.json, OUT/table.md and OUT/*.png (copied to --report DIR when given).
 """
@@ -123,13 +124,15 @@ def attn_one(run: Run, n_docs: int, threads: int) -> int:
         return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
-def run_one(run: Run, base: Path, threads: int, force: bool) -> tuple[Run, float, int]:
+def run_one(run: Run, base: Path, threads: int, force: bool, nproc: int = 1) -> tuple[Run, float, int]:
     if run.done() and not force:
         return run, 0.0, 0
     if run.run_dir.exists():
         shutil.rmtree(run.run_dir)  # a partial run restarts from scratch: same steps for every arm
     run.run_dir.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "mmtrain.train", str(base), "--quiet",
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+                if nproc > 1 else [sys.executable])  # nproc > 1: torchrun, the mesh from --set dist.*
+    cmd = [*launcher, "-m", "mmtrain.train", str(base), "--quiet",
            "--set", f"train.threads={threads}", *[a for o in run.overrides for a in ("--set", o)]]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
@@ -178,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", help="comma-separated seeds (default: the experiment's)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="processes per run: > 1 launches each run with torchrun (--standalone), e.g. "
+                        "with --set dist.cp=2; --threads is per process (default 1)")
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                    help="override every arm's config (repeatable)")
     p.add_argument("--smoke", action="store_true", help="a few steps per arm: checks wiring, not results")
@@ -224,7 +230,7 @@ def _run(args) -> int:
         if not runs:
             raise UserError("--summarize-only: no finished run to summarise")
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        jobs = [pool.submit(run_one, r, exp.base, args.threads, args.force) for r in runs]
+        jobs = [pool.submit(run_one, r, exp.base, args.threads, args.force, args.nproc) for r in runs]
         for job in jobs:
             run, seconds, code = job.result()
             state = "cached" if seconds == 0 and code == 0 else ("ok" if code == 0 else f"FAILED ({code})")
