@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from mmtrain.data_pipelines.batch import PackedBatch
+from mmtrain.data_pipelines.batch import IGNORE_INDEX, PackedBatch
 from mmtrain.errors import UserError
 from mmtrain.models.multimodal import ModelOutput
-from mmtrain.objectives.terms import take_rows
+from mmtrain.objectives.terms import dummy_batch, take_rows
 from mmtrain.parallel.pipeline import AUX_NAMES, StageModel, build_schedule, run_schedule
 
 # loss terms that need a second forward, extra rows or a stage they do not run on
-_REFUSED_TERMS = ("token_weighting", "visual_ssl", "contrast")
+_REFUSED_TERMS = ("token_weighting", "visual_ssl")
 
 
 def check_pipeline_objective(objective) -> None:
@@ -38,9 +38,29 @@ def check_pipeline_objective(objective) -> None:
         if term.name in _REFUSED_TERMS:
             raise UserError(f"loss.{term.name}: not supported with dist.pp > 1 (it needs the whole "
                             f"model in one forward); turn it off or run without pipeline parallelism")
-    if objective.needs_head_grads:
-        raise UserError("loss.balancer.kind: gradnorm reads the LM head's per-task gradients, which "
-                        "only the last pipeline stage has; not supported with dist.pp > 1")
+    # GradNorm's per-task LM-head gradients form in the last stage's loss_fn (`finish`); the step's
+    # all-reduce over the world (`Objective._head_grad_norms`, zeros off that stage) shares them
+
+
+def pad_rows(mb, rows: int) -> None:
+    """`mb`'s forward padded with rows of padding (no token trained, no medium, no document) to
+    `rows`; `mb.ref` keeps the unpadded forward (the aux terms' divisors are its)."""
+    inputs = mb.inputs
+    extra = rows - inputs["tokens_BS"].shape[0]
+    if extra < 0:
+        raise ValueError(f"a micro-batch of {inputs['tokens_BS'].shape[0]} rows exceeds the stages' {rows}")
+    if mb.ref is None:
+        mb.ref = inputs
+    if not extra:
+        return
+    pad = dummy_batch(inputs["tokens_BS"].shape[1], inputs["patches_NP"].shape[-1]).model_inputs()
+    rows_BS = {k: torch.cat([v, pad[k].to(v).expand(extra, -1)])
+               for k, v in inputs.items() if k.endswith("_BS")}
+    pos_3BS = inputs["pos_ids_3BS"]
+    pos_3BS = torch.cat([pos_3BS, pad["pos_ids_3BS"].to(pos_3BS).expand(3, extra, -1)], 1)
+    mb.inputs = {**inputs, **rows_BS, "pos_ids_3BS": pos_3BS}
+    labels_BS = mb.batch.labels_BS if mb.labels_BS is None else mb.labels_BS
+    mb.labels_BS = torch.cat([labels_BS, labels_BS.new_full((extra, labels_BS.shape[1]), IGNORE_INDEX)])
 
 
 class PipelineStep:
@@ -79,16 +99,23 @@ class PipelineStep:
         return self._loss
 
     def _prepare(self, batch: PackedBatch, sums) -> list:
-        """The batch's micro-batches: itself, or its `row_parts` equal row parts (with their media)."""
+        """The batch's micro-batches: itself, or its `row_parts` equal row parts (with their media);
+        with the contrast's copies, padded to twice their own rows (the stages' shapes are static)."""
         k = self.row_parts
-        if k == 1:
-            return [self.objective.prepare(batch, sums)]
         B = batch.tokens_BS.shape[0]
-        if B % k:
-            raise ValueError(f"a batch of {B} rows does not split into {k} equal micro-batches")
-        rows_kR = torch.arange(B, device=batch.tokens_BS.device).view(k, B // k)
-        return [self.objective.prepare(take_rows(batch, rows_R), sums, share_of=batch, shares=k)
-                for rows_R in rows_kR]
+        if k == 1:
+            mbs = [self.objective.prepare(batch, sums)]
+        else:
+            if B % k:
+                raise ValueError(f"a batch of {B} rows does not split into {k} equal micro-batches")
+            rows_kR = torch.arange(B, device=batch.tokens_BS.device).view(k, B // k)
+            mbs = [self.objective.prepare(take_rows(batch, rows_R), sums, share_of=batch,
+                                          share_rows=range(int(rows_R[0]), int(rows_R[-1]) + 1))
+                   for rows_R in rows_kR]
+        if any(t.name == "contrast" for t in self.objective.terms):
+            for mb in mbs:  # at most one copy a row
+                pad_rows(mb, 2 * (B // k))
+        return mbs
 
     def _loss_fn(self, output: tuple[torch.Tensor, torch.Tensor], mb) -> torch.Tensor:
         h_BSD, aux_2 = output

@@ -88,6 +88,24 @@ def extend(batch: PackedBatch) -> tuple[PackedBatch, ContrastRows | None]:
     return cat_rows(batch, copy), rows
 
 
+def part_rows(extended: PackedBatch, rows: ContrastRows, lo: int, hi: int
+              ) -> tuple[PackedBatch | None, ContrastRows | None]:
+    """A pipeline's row part [lo, hi) of a batch `extend`ed whole (so its copies' donors are the
+    batch's, as one process's): the copies of those rows and their ContrastRows (own rows numbered
+    from lo); (None, None) when none of them has a copy."""
+    mine_R = ((rows.own_R >= lo) & (rows.own_R < hi)).nonzero().squeeze(1)
+    if not len(mine_R):
+        return None, None
+    copies = take_rows(extended, rows.rows + mine_R)
+    return copies, ContrastRows(hi - lo, rows.own_R[mine_R] - lo, rows.selected_RS[mine_R],
+                                rows.doc_ids_RS[mine_R])
+
+
+def document_count(rows: ContrastRows) -> int:
+    """The contrasted documents (those with a selected token: `document_gaps`' D)."""
+    return int(torch.unique(document_keys(rows.doc_ids_RS)[rows.selected_RS]).numel())
+
+
 def document_gaps(ce_real_RS: torch.Tensor, ce_swap_RS: torch.Tensor, rows: ContrastRows,
                   context: ContextShard | None = None) -> torch.Tensor:
     """(D,) per contrasted document: mean over its selected tokens of swapped CE - own CE.
@@ -113,14 +131,16 @@ def document_gaps(ce_real_RS: torch.Tensor, ce_swap_RS: torch.Tensor, rows: Cont
 
 
 def contrast_term(ce_own_BS: torch.Tensor, ce_swap_RS: torch.Tensor, rows: ContrastRows, margin: float,
-                  sums: ContrastSums, context: ContextShard | None = None) -> torch.Tensor:
+                  sums: ContrastSums, context: ContextShard | None = None,
+                  n_docs: int | None = None) -> torch.Tensor:
     """The mean hinge over the contrasted documents (with its graph); the step's figures -> sums
     (tensors: read at the step's end). `ce_own_BS`: the batch's own rows' per-token CE, `ce_swap_RS`
     the copies' (both with their graphs; the loss's head gives them, full or chunked). With `context`
-    (a row split over cp / tp ranks) the CEs are this rank's chunk: see `document_gaps`."""
+    (a row split over cp / tp ranks) the CEs are this rank's chunk: see `document_gaps`. `n_docs` (a
+    pipeline's row part of a batch, `part_rows`): the batch's documents, the mean's divisor."""
     gap_D = document_gaps(ce_own_BS[rows.own_R], ce_swap_RS, rows, context)
     hinge_D = (margin - gap_D).clamp(min=0)
-    term = hinge_D.mean()
+    term = hinge_D.mean() if n_docs is None else hinge_D.sum() / n_docs
     sums.term += term.detach().double()
     sums.gap += gap_D.detach().sum().double()
     sums.docs += gap_D.shape[0]  # a host number already: torch.unique sized gap_D

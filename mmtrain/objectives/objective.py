@@ -183,18 +183,19 @@ class Objective:
         return self.finish(mb)
 
     def prepare(self, batch: PackedBatch, sums: StepSums, share_of: PackedBatch | None = None,
-                shares: int = 1) -> MicroBatch:
+                share_rows: range | None = None) -> MicroBatch:
         """The micro-batch before its forward: global counts, the terms' `before_forward` hooks.
         (A pipeline prepares every micro-batch of the step first: loop/pipeline_step.py.) `share_of`:
-        the batch whose rows `batch` is one of `shares` equal parts of (a pipeline's row split): the
-        counts, so the task means, are that batch's, and the parts' losses add up to its loss."""
+        the batch whose rows `share_rows` `batch` is (a pipeline's row split): the counts, so the task
+        means, are that batch's, and the parts' losses add up to its loss."""
         world, inputs, whole = self.data_world, batch.model_inputs(), None
         if self.context is not None:
             whole, batch = batch, local_targets(batch, self.context)
         counted = batch if share_of is None else (
             share_of if self.context is None else local_targets(share_of, self.context))
         counts_T = self._global_counts(counted) if world > 1 or share_of is not None else None
-        mb = MicroBatch(batch, inputs, sums, counts_T, world, whole=whole, share_of=share_of, shares=shares)
+        mb = MicroBatch(batch, inputs, sums, counts_T, world, whole=whole, share_of=share_of,
+                        share_rows=share_rows, ref=None if share_of is None else share_of.model_inputs())
         for term in self.terms:
             term.before_forward(mb)
         return mb

@@ -76,6 +76,18 @@ def test_trainer_at_pp2_matches_one_process(raw_for, tmp_path):
 
 
 @pytest.mark.distributed
+def test_trainer_at_pp2_with_the_contrast_matches_one_process(raw_for, tmp_path):
+    """The mismatch contrast at PP(2) x 1F1B, grad_accum 1: the batch is extended whole (its copies'
+    donors are the batch's, as one process's), each row part carries its own rows' copies, padded to
+    the stages' fixed rows, and every mean (task CE, hinge over documents, visual_next, MoE aux) is
+    one process's forward's."""
+    one, pp = _trainer_parity(raw_for, tmp_path, 2, ["dist.pp=2"],
+                              base=["data.batch_size=4", "train.grad_accum=1", "model.visual_head=true",
+                                    "loss.visual_next.weight=1", "loss.contrast.weight=1"])
+    _check_trainer_parity(one, pp)
+
+
+@pytest.mark.distributed
 def test_trainer_at_tp2_pp2_matches_one_process(raw_for, tmp_path):
     """TP(2) x PP(2) (4 ranks): each tp rank of a stage holds its sequence-parallel chunk of every row
     and hands it to the same tp rank of the next stage (Megatron's way); the same losses, gradient

@@ -9,8 +9,8 @@ objective calls in registration order (loss_terms/__init__.py's imports):
     loss(mb) -> Tensor|list   added to the micro-batch's loss (a list: one by one), in registration order
     report(cfg, total, ...)   class method, end of step: {'terms': ..., 'figures': ...} for StepStats
 
-A term keeps what it needs between its hooks of one micro-batch on itself (one instance per
-Objective, micro-batches run one at a time).
+A term keeps what it needs between its hooks of one micro-batch in `mb.held[name]`: a pipeline
+prepares all of a step's micro-batches before the first one's loss (loop/pipeline_step.py).
 """
 
 from __future__ import annotations
@@ -53,10 +53,16 @@ class MicroBatch:
     head: Head | None = None  # per-token CE / lse of any rows of the forward (heads.py)
     losses: TaskLosses | None = None  # the batch's own rows' task losses (unweighted)
     whole: PackedBatch | None = None  # under CP / TP: the whole rows `batch` is this rank's chunk of
-    # a pipeline's row split (loop/pipeline_step.py): the step's batch these rows are one of `shares`
-    # equal parts of; a term's means are then over that batch (counts_T is its), not over these rows
+    # a pipeline's row split (loop/pipeline_step.py): the batch whose rows `share_rows` these are; a
+    # term's means are then over that batch (counts_T is its), not over these rows
     share_of: PackedBatch | None = None
-    shares: int = 1
+    share_rows: range | None = None
+    # the inputs of the forward one process runs where this one is a part of it or padded (a pipeline's
+    # row part; its fixed row count): the MoE aux terms' and visual_next's divisors are that forward's
+    ref: dict | None = None
+    # what a term keeps between its hooks of this micro-batch, under its name (a pipeline prepares
+    # every micro-batch of the step before the first loss)
+    held: dict = field(default_factory=dict)
 
     @property
     def rows(self) -> int:

@@ -5,8 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from mmtrain.objectives.contrast import ContrastConfig, ContrastSums, contrast_term, extend
+from mmtrain.data_pipelines.batch import PackedBatch
+from mmtrain.objectives.contrast import (
+    ContrastConfig,
+    ContrastRows,
+    ContrastSums,
+    contrast_term,
+    document_count,
+    extend,
+    part_rows,
+)
 from mmtrain.objectives.loss_terms.base import MicroBatch, Reported, Term, register
+from mmtrain.objectives.terms import cat_rows
 
 
 @register
@@ -15,27 +25,50 @@ class Contrast(Term):
     Config = ContrastConfig
     Sums = ContrastSums
 
+    def __init__(self, obj):
+        super().__init__(obj)
+        self._step_batch, self._step = None, (None, None)  # a pipeline's batch, extended whole once
+
     def before_forward(self, mb: MicroBatch) -> None:
         # under cp / tp the copies are made of the whole rows (the model reads whole rows) and the
         # labels narrowed to this rank's chunk, as the batch's own (objective.prepare)
-        self._extended, self._rows = extend(mb.batch if mb.whole is None else mb.whole)
-        if self._rows is None:
+        extended, rows, n_docs = self._extend(mb)
+        if rows is None:
             return
-        c, labels_BS = self.obj.context, self._extended.labels_BS
-        mb.inputs = self._extended.model_inputs()
+        mb.held[self.name] = (extended, rows, n_docs)
+        c, labels_BS = self.obj.context, extended.labels_BS
+        mb.inputs = extended.model_inputs()
         mb.labels_BS = labels_BS if c is None else c.local(labels_BS)
         mask_N = mb.kwargs.get("ssl_mask_N")
         if mask_N is not None:  # the copies' patches are never masked
-            extra_N = self._extended.patches_NP.shape[0] - mask_N.shape[0]
+            extra_N = extended.patches_NP.shape[0] - mask_N.shape[0]
             mb.kwargs["ssl_mask_N"] = torch.cat([mask_N, mask_N.new_zeros(extra_N)])
 
+    def _extend(self, mb: MicroBatch) -> tuple[PackedBatch, ContrastRows | None, int | None]:
+        """(the forward's rows, its ContrastRows or None, the mean's divisor or None). A pipeline's
+        row part of a batch (`mb.share_of`): the batch extended whole, once (its donors), and this
+        part's rows with their copies; one process's forward (`mb.ref`) and document count are the
+        batch's."""
+        own = mb.batch if mb.whole is None else mb.whole
+        if mb.share_of is None:
+            return (*extend(own), None)
+        if self._step_batch is not mb.share_of:
+            self._step_batch, self._step = mb.share_of, extend(mb.share_of)
+        extended, rows = self._step
+        mb.ref = extended.model_inputs()
+        copies, mine = (None, None) if rows is None else part_rows(extended, rows, mb.share_rows.start,
+                                                                   mb.share_rows.stop)
+        if mine is None:
+            return own, None, None
+        return cat_rows(own, copies), mine, document_count(rows)
+
     def loss(self, mb: MicroBatch) -> torch.Tensor | None:
-        rows, self._rows = self._rows, None
+        extended, rows, n_docs = mb.held.pop(self.name, (None, None, None))
         if rows is None:
             return None
-        ce_swap_RS, _ = mb.head.ce(mb.rows, self._extended.labels_BS.shape[0])
+        ce_swap_RS, _ = mb.head.ce(mb.rows, extended.labels_BS.shape[0])
         c = self.obj.context  # cp / tp: this rank's chunk of the rows, the hinge the group's
-        term = contrast_term(mb.losses.ce_BS, ce_swap_RS, rows, self.cfg.margin, mb.sums.contrast, c)
+        term = contrast_term(mb.losses.ce_BS, ce_swap_RS, rows, self.cfg.margin, mb.sums.contrast, c, n_docs)
         if c is None:
             return self.cfg.weight * term / mb.world  # a mean per rank, as visual_ssl
         # cp / tp: every rank of the group holds the hinge's value, its gradient through its own tokens

@@ -40,10 +40,11 @@ class VisualNext(Term):
         if mb.out.visual_next_KT is None:
             return None
         # a mean over this rank's predicted tokens (the forward's media: with the contrast, the copies')
-        # a pipeline's row part of a batch: its squared errors over the batch's count (the parts add up)
+        # a part of one process's forward (a pipeline's row part, `mb.ref`): its squared errors over
+        # that forward's count, so the parts add up
         pred_KT = mb.out.visual_next_KT
-        count = None if mb.share_of is None else target_count(
-            mb.share_of.grid_thw_M3, self.obj.cfg.model.vision.merge, pred_KT.shape[-1])
+        count = None if mb.ref is None else target_count(
+            mb.ref["grid_thw_M3"], self.obj.cfg.model.vision.merge, pred_KT.shape[-1])
         vn = self._term(pred_KT, mb.inputs, count)
         mb.sums.visual_next += vn.detach().double()
         return self.cfg.weight * vn / mb.world
