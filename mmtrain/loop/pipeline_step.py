@@ -26,10 +26,10 @@ from mmtrain.data_pipelines.batch import IGNORE_INDEX, PackedBatch
 from mmtrain.errors import UserError
 from mmtrain.models.multimodal import ModelOutput
 from mmtrain.objectives.terms import dummy_batch, take_rows
-from mmtrain.parallel.pipeline import AUX_NAMES, StageModel, build_schedule, run_schedule
+from mmtrain.parallel.pipeline import AUX_NAMES, CARRIED, StageModel, build_schedule, run_schedule
 
 # loss terms that need a second forward, extra rows or a stage they do not run on
-_REFUSED_TERMS = ("token_weighting", "visual_ssl")
+_REFUSED_TERMS = ("token_weighting",)
 
 
 def check_pipeline_objective(objective) -> None:
@@ -91,12 +91,18 @@ class PipelineStep:
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         args = [(mb.inputs["tokens_BS"],) for mb in mbs]
         with self.objective.autocast():  # the trainer's (bf16 on CUDA), as its one-process forward
-            run_schedule(self.schedule, args, [mb.inputs for mb in mbs], mbs)
+            run_schedule(self.schedule, args, [self._stage_inputs(mb) for mb in mbs], mbs)
         for part in self.parts:  # this rank's layers; the objective sums every layer over the world
             for counts in part.attn_records:
                 self.objective.add_attention(counts)
             part.measure_attn = False
         return self._loss
+
+    @staticmethod
+    def _stage_inputs(mb) -> dict:
+        """The stages' keyword inputs: the model's, and visual_ssl's patch mask (stage 0 reads it)."""
+        mask_N = mb.kwargs.get("ssl_mask_N")
+        return mb.inputs if mask_N is None else {**mb.inputs, "ssl_mask_N": mask_N}
 
     def _prepare(self, batch: PackedBatch, sums) -> list:
         """The batch's micro-batches: itself, or its `row_parts` equal row parts (with their media);
@@ -118,13 +124,15 @@ class PipelineStep:
         return mbs
 
     def _loss_fn(self, output: tuple[torch.Tensor, torch.Tensor], mb) -> torch.Tensor:
-        h_BSD, aux_2 = output
+        h_BSD, carry_C = output
         obj = self.objective
         logits = None if obj.cfg.loss.ce_chunk else self.last.decoder.logits(h_BSD)
-        aux = {name: aux_2[i] for i, name in enumerate(AUX_NAMES)}
+        aux = {name: carry_C[CARRIED.index(name)] for name in AUX_NAMES}
+        # loss.visual_ssl: stage 0's masked-patch loss, carried here (its gradient flows back there)
+        ssl = carry_C[CARRIED.index("visual_ssl")] if "ssl_mask_N" in mb.kwargs else None
         pred_KT = (self.last.visual_next_pred(h_BSD, mb.inputs["modality_BS"], mb.inputs["grid_thw_M3"])
                    if mb.kwargs.get("visual_next") else None)  # loss.visual_next: its head on this stage
-        mb.out = ModelOutput(logits, h_BSD, aux, None, None, {}, None, visual_next_KT=pred_KT)
+        mb.out = ModelOutput(logits, h_BSD, aux, None, None, {}, None, visual_ssl=ssl, visual_next_KT=pred_KT)
         loss = obj.finish(mb)
         self._loss = self._loss + loss.detach().double() / self.accum
         return loss * (obj.data_world / self.accum)

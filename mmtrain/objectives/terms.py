@@ -153,16 +153,23 @@ def reliance_stats(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, weights_
             "top": w_T.topk(k).values.sum(), "top_n": torch.tensor(k)}
 
 
+def row_media(batch: PackedBatch, rows_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep_M, keep_N) bool: the media the rows `rows_R` name, and those media's patches."""
+    media_ids_RS = batch.media_ids_BS[rows_R].long()
+    keep_M = torch.zeros(batch.media_kind_M.shape[0], dtype=torch.bool, device=media_ids_RS.device)
+    keep_M[media_ids_RS[media_ids_RS >= 0]] = True
+    keep_N = keep_M.repeat_interleave(batch.grid_thw_M3.prod(-1), output_size=batch.patches_NP.shape[0])
+    return keep_M, keep_N
+
+
 def take_rows(batch: PackedBatch, rows_R: torch.Tensor) -> PackedBatch:
     """The batch of rows `rows_R` (ascending) with their media: patches, grids and kinds of the media
     those rows' placeholders name, renumbered 0..M'-1 in the same row-major order. Documents never
     cross rows or attend into each other, so the rows' outputs equal those of the whole batch."""
     media_ids_RS = batch.media_ids_BS[rows_R].long()
-    keep_M = torch.zeros(batch.media_kind_M.shape[0], dtype=torch.bool, device=media_ids_RS.device)
-    keep_M[media_ids_RS[media_ids_RS >= 0]] = True
+    keep_M, keep_N = row_media(batch, rows_R)
     new_id_M = keep_M.long().cumsum(0) - 1
     renumbered_RS = torch.where(media_ids_RS >= 0, new_id_M[media_ids_RS.clamp(min=0)], -1)
-    keep_N = keep_M.repeat_interleave(batch.grid_thw_M3.prod(-1), output_size=batch.patches_NP.shape[0])
     return PackedBatch(
         tokens_BS=batch.tokens_BS[rows_R], labels_BS=batch.labels_BS[rows_R],
         doc_ids_BS=batch.doc_ids_BS[rows_R], span_ids_BS=batch.span_ids_BS[rows_R],

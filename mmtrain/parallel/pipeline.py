@@ -69,7 +69,11 @@ Tensor = torch.Tensor
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
              "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-AUX_NAMES = ("moe_seq_balance", "router_z")  # the order of aux_2's entries
+AUX_NAMES = ("moe_seq_balance", "router_z")  # the MoE aux losses, summed over the stages' layers
+# what crosses each stage boundary beside the hidden states (carry_C, fp32): the MoE aux losses and
+# stage 0's masked-patch loss (loss.visual_ssl), so that the last stage's loss holds them all and
+# their gradients flow back to the stages that made them
+CARRIED = (*AUX_NAMES, "visual_ssl")
 
 
 def check_pipeline_config(cfg, dims) -> None:
@@ -201,9 +205,10 @@ class StageModel(nn.Module):
     """One pipeline stage: a pruned copy of the model (its own parameters keep the full model's names:
     `vision.*`, `decoder.embed.*`, `decoder.layers.<i>.*`, `decoder.norm.*`, `decoder.lm_head.*`).
 
-    forward(x, aux_2=None, **model_inputs) -> (h_BSD, aux_2): x is tokens_BS on stage 0, the
-    previous stage's h_BSD elsewhere; the last stage returns the final-norm hidden states (its LM
-    head runs in the loss, chunked or not)."""
+    forward(x, carry_C=None, **model_inputs) -> (h_BSD, carry_C): x is tokens_BS on stage 0, the
+    previous stage's h_BSD elsewhere; carry_C the `CARRIED` scalars so far; the last stage returns
+    the final-norm hidden states (its LM head runs in the loss, chunked or not). `ssl_mask_N`
+    (loss.visual_ssl): stage 0 adds the vision encoder's masked-patch loss to carry_C."""
 
     def __init__(self, model: MultimodalModel, stage: int, n_stages: int, layers: range):
         super().__init__()
@@ -243,9 +248,9 @@ class StageModel(nn.Module):
         """This stage's MoE layers' bias step (each layer lives on one stage: no pp exchange needed)."""
         MultimodalModel.update_moe_bias(self, reduce_fn)
 
-    def forward(self, x: Tensor, aux_2: Tensor | None = None, *, tokens_BS: Tensor, pos_ids_3BS: Tensor,
+    def forward(self, x: Tensor, carry_C: Tensor | None = None, *, tokens_BS: Tensor, pos_ids_3BS: Tensor,
                 doc_ids_BS: Tensor, span_ids_BS: Tensor, modality_BS: Tensor, patches_NP: Tensor,
-                grid_thw_M3: Tensor) -> tuple[Tensor, Tensor]:
+                grid_thw_M3: Tensor, ssl_mask_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
         dec, shard = self.decoder, self.context
         meta = build_meta(doc_ids_BS, span_ids_BS, dec.cfg.attention.block_size)  # rebuilt per stage
         visual_ND = None
@@ -259,20 +264,23 @@ class StageModel(nn.Module):
             x = tokens if self.is_first else x
         if self.is_first:
             h_BSD = dec.embed_tokens(x, modality_BS, visual_ND)
-            aux_2 = h_BSD.new_zeros(len(AUX_NAMES), dtype=torch.float32)
+            ssl = (h_BSD.new_zeros((), dtype=torch.float32) if ssl_mask_N is None  # MultimodalModel's
+                   else self.vision.masked_patch_loss(patches_NP, grid_thw_M3, ssl_mask_N).float())
+            carry_C = torch.cat([h_BSD.new_zeros(len(AUX_NAMES), dtype=torch.float32), ssl[None]])
         else:
             h_BSD = x
         stats = {i: {} for i in self.layer_ids} if self.measure_attn else {}
         # Decoder.forward's own layer loop over this stage's layers (the one forward, models/decoder.py)
         h_BSD, aux, load, entropy = dec.run_layers(h_BSD, pos_ids_3BS, meta, modality_BS, shard, {}, stats)
         if aux:
-            aux_2 = aux_2 + torch.stack([aux[n].float() for n in AUX_NAMES])
+            n = len(AUX_NAMES)
+            carry_C = torch.cat([carry_C[:n] + torch.stack([aux[k].float() for k in AUX_NAMES]), carry_C[n:]])
         self.records.append({i: (load[i].detach(), entropy[i].detach()) for i in load})
         if stats:
             self.attn_records.append(stats)
         if self.is_last:
             h_BSD = dec.norm(h_BSD)
-        return h_BSD, aux_2
+        return h_BSD, carry_C
 
 
 def stage_ranges(model: MultimodalModel, schedule: str, pp: int, seq_len: int, vision_stage: bool = False,
@@ -361,7 +369,7 @@ def build_schedule(name: str, parts: list[StageModel], pp_group, device: torch.d
                    loss_fn: Callable, example: dict[str, Tensor], dtype: torch.dtype = torch.float32):
     """torch's schedule over this rank's stages. Shapes are given up front (static mode: no
     metadata-inference forward, so nothing runs twice): h_BSD (in `dtype`, the stages' compute
-    dtype) and aux_2 (fp32) between stages, tokens into stage 0. Gradients are not rescaled by the
+    dtype) and carry_C (fp32) between stages, tokens into stage 0. Gradients are not rescaled by the
     schedule: `loss_fn` returns the share to backward."""
     cls = schedule_class(name)
     n_stages = parts[0].n_stages
@@ -383,10 +391,11 @@ def build_schedule(name: str, parts: list[StageModel], pp_group, device: torch.d
 
 
 def boundary_args(B: int, S: int, D: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """What a stage sends and receives, as torch's static stage metadata: (h_BSD in `dtype`, aux_2 fp32),
-    both carrying gradients (aux_2 on a stage without MoE layers has none to give: torch skips it)."""
+    """What a stage sends and receives, as torch's static stage metadata: (h_BSD in `dtype`, carry_C
+    fp32), both carrying gradients (carry_C without MoE layers or visual_ssl before it has none to
+    give: torch skips it)."""
     return (torch.empty(B, S, D, device=device, dtype=dtype, requires_grad=True),
-            torch.empty(len(AUX_NAMES), device=device, dtype=torch.float32, requires_grad=True))
+            torch.empty(len(CARRIED), device=device, dtype=torch.float32, requires_grad=True))
 
 
 def run_schedule(schedule, arg_mbs: list, kwarg_mbs: list, target_mbs: list) -> None:

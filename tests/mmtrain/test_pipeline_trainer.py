@@ -88,6 +88,18 @@ def test_trainer_at_pp2_with_the_contrast_matches_one_process(raw_for, tmp_path)
 
 
 @pytest.mark.distributed
+def test_trainer_at_pp2_with_visual_ssl_matches_one_process(raw_for, tmp_path):
+    """loss.visual_ssl at PP(2) x 1F1B with the vision encoder's own stage (dist.pp_vision_stage:
+    stage 0 holds no decoder layer), grad_accum 1: stage 0's masked-patch loss crosses the stages
+    with the MoE aux losses and its gradient comes back; each row part hides the batch's mask's
+    patches of its rows, its mean weighted by its share of them."""
+    one, pp = _trainer_parity(raw_for, tmp_path, 2, ["dist.pp=2", "dist.pp_vision_stage=true"],
+                              base=["data.batch_size=4", "train.grad_accum=1", "model.vision.ssl_head=true",
+                                    "loss.visual_ssl.weight=1", "loss.visual_ssl.media_share=0.5"])
+    _check_trainer_parity(one, pp)
+
+
+@pytest.mark.distributed
 def test_trainer_at_tp2_pp2_matches_one_process(raw_for, tmp_path):
     """TP(2) x PP(2) (4 ranks): each tp rank of a stage holds its sequence-parallel chunk of every row
     and hands it to the same tp rank of the next stage (Megatron's way); the same losses, gradient

@@ -9,6 +9,7 @@ import torch
 from mmtrain.checks import check
 from mmtrain.models.vision import make_ssl_mask
 from mmtrain.objectives.loss_terms.base import MicroBatch, Reported, Term, register
+from mmtrain.objectives.terms import row_media
 
 
 @dataclass
@@ -38,13 +39,26 @@ class VisualSSL(Term):
     def loss(self, mb: MicroBatch) -> torch.Tensor | None:
         if mb.out.visual_ssl is None:
             return None
-        mb.sums.visual_ssl += mb.out.visual_ssl.detach().double()  # a tensor: read at the step's end
-        return self.cfg.weight * mb.out.visual_ssl / mb.world  # a mean per rank: gradients average it
+        ssl = mb.out.visual_ssl
+        if mb.share_of is not None:  # a pipeline's row part: its patches' mean x its share of the
+            ssl = ssl * mb.held.pop(self.name)  # batch's masked patches, so the parts add up
+        mb.sums.visual_ssl += ssl.detach().double()  # a tensor: read at the step's end
+        return self.cfg.weight * ssl / mb.world  # a mean per rank: gradients average it
 
     def _mask(self, mb: MicroBatch) -> torch.Tensor:
         """Which patches the term hides: a pure function of (seed, step, data-parallel rank, batch),
-        so the ranks of a cp group, which encode the same media, hide the same ones."""
-        obj, batch = self.obj, mb.batch
+        so the ranks of a cp group, which encode the same media, hide the same ones. A pipeline's
+        row part of a batch hides the batch's mask's patches of its rows (one process's)."""
+        if mb.share_of is None:
+            return self._batch_mask(mb.batch)
+        whole_N = self._batch_mask(mb.share_of)
+        rows_R = torch.arange(mb.share_rows.start, mb.share_rows.stop, device=whole_N.device)
+        mask_N = whole_N[row_media(mb.share_of, rows_R)[1]]
+        mb.held[self.name] = mask_N.sum() / whole_N.sum().clamp(min=1)  # this part's masked share
+        return mask_N
+
+    def _batch_mask(self, batch) -> torch.Tensor:
+        obj = self.obj
         gen = torch.Generator().manual_seed(hash((obj.cfg.train.seed, obj.step, obj.dp_rank,
                                                   batch.patches_NP.shape[0])) % 2**63)
         mask_N = make_ssl_mask(batch.grid_thw_M3.cpu(), self.cfg.mask_ratio, self.cfg.media_share, gen)
