@@ -278,11 +278,11 @@ def test_pipeline_refuses_loss_terms_it_cannot_run(corpus, tmp_path):
     from mmtrain.objectives.objective import Objective
     from mmtrain.parallel.distributed import DistEnv
 
-    cfg = tiny_config(corpus, tmp_path / "run", ["loss.visual_ssl.weight=0.1", "model.vision.ssl_head=true"])
+    cfg = tiny_config(corpus, tmp_path / "run", ["loss.token_weighting.strength=0.5"])
     cfg.model.decoder.vocab_size = 300
     model = MultimodalModel(cfg.model)
     obj = Objective(cfg, model, build_balancer(cfg.loss.balancer, {"text": 1.0, "image_text": 1.0,
                                                                    "video_text": 1.0}),
                     env=DistEnv(), device=torch.device("cpu"))
-    with pytest.raises(UserError, match="loss.visual_ssl"):
+    with pytest.raises(UserError, match="loss.token_weighting"):
         check_pipeline_objective(obj)
