@@ -8,6 +8,8 @@ and a step's forward, backward, clip and bias update, the same calls at dist.pp 
     tm.evaluates             # whether this rank runs evaluation, diagnostics and captioning
     tm.trained               # what the optimizer and the checkpoint see (pp: this rank's stages)
     tm.head                  # where the objective finds the LM head (pp: the last stage), else None
+    tm.encoder               # the module whose training forwards encode the media (its encode_media:
+                             # vision.balance); pp: stage 0 where this rank holds it, else None
     tm.context               # the sequence shard of a row ((cp, tp) chunk), or None
     tm.bind(objective)       # once built: the step's forwards and losses are the objective's
     tm.forward_backward(train_iter, sums, on_loss)   # the step's train.grad_accum micro-batches
@@ -63,6 +65,7 @@ class TrainModule:
         self.env, self.device, self.dims, self.accum = env, device, dims, cfg.train.grad_accum
         self.raw_model, self.model = build_model(cfg, env, device, dims, traffic)
         self.trained, self.head = self.model, None
+        self.encoder = self.raw_model
         self.context = context_shard(dims, device, cfg.data.seq_len, traffic)  # or None
         self.objective = None
 
@@ -105,6 +108,7 @@ class PipelineTrainModule:
         self.evaluates = self.pipeline.evaluates
         self.trained = self.pipeline.module
         self.head = self.pipeline.last  # the LM head's stage: the objective's model
+        self.encoder = next((p for p in self.pipeline.parts if p.is_first), None)  # pp rank 0's
         self.context = self.pipeline.context  # the stages' own (tp's chunk)
         self.step = None
 

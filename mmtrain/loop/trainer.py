@@ -92,7 +92,8 @@ class Trainer:
         tm = self.train_module = build_train_module(cfg, self.env, self.device, self.dims, self.traffic)
         self.raw_model, self.model, self.trained = tm.raw_model, tm.model, tm.trained
         self.pipeline, self.context = tm.pipeline, tm.context
-        self.vision_balance = install_vision_balance(self.raw_model, cfg.vision, self.dims, self.traffic)
+        self.encoder = tm.encoder  # what the training forwards encode with (pp: stage 0, or None)
+        self.vision_balance = install_vision_balance(self.encoder, cfg.vision, self.dims, self.traffic)
         self.optimizer = build_optimizer(self.trained, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.optim)
         self.grad_parts = tm.grad_parts()
@@ -129,8 +130,8 @@ class Trainer:
         out: list[Callback] = [self.balancer, Throughput(peak_tflops(self.device, cfg.train.peak_tflops))]
         if self.dims.ep > 1 or self.dims.seq_size > 1 or cfg.vision.balance != "none":
             out.append(self.traffic)
-        if self.raw_model.encode_media is not None:  # the vision balance's cost spread
-            out.append(self.raw_model.encode_media)
+        if self.encoder is not None and self.encoder.encode_media is not None:  # the balance's cost spread
+            out.append(self.encoder.encode_media)
         if cfg.train.stages:
             out.append(Curriculum(cfg.data, cfg.train.stages, self.use_train_data))
         if cfg.diagnostics.every:

@@ -326,9 +326,13 @@ class Objective:
 
     def _head_grad_norms(self, tasks) -> dict[str, float]:
         """Norms of this step's per-task LM-head gradients (`tasks`: those with tokens on any rank),
-        summed over ranks first: a (3, V, D) all-reduce per step, GradNorm's distributed cost."""
+        summed over ranks first: a (3, V, D) all-reduce per step, GradNorm's distributed cost. Under
+        dist.pp only the last stage's ranks formed any (the loss runs there): the other stages join
+        with zeros, so every rank's balancer reads the same norms (the head's shape from the config:
+        their stage holds neither head nor embedding)."""
         if self.env.distributed:
-            zeros_VD = torch.zeros(self.raw_model.decoder.embed.weight.shape, device=self.device)
+            dec = self.raw_model.decoder.cfg
+            zeros_VD = torch.zeros(dec.vocab_size, dec.dim, device=self.device)
             stacked_TVD = torch.stack([self._head_g.get(t, zeros_VD) for t in TASK_NAMES])
             all_reduce(stacked_TVD, self.env)
             self._head_g = dict(zip(TASK_NAMES, stacked_TVD))

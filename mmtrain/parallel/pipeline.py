@@ -85,9 +85,6 @@ def check_pipeline_config(cfg, dims) -> None:
         raise UserError("dist.pp_schedule: DualPipeV overlaps one micro-batch's forward with another's "
                         "backward, which needs an F/B overlap of the expert all-to-alls (dist.ep > 1) "
                         "that is not implemented; use ZBVZeroBubble or Interleaved1F1B")
-    if cfg.vision.balance != "none":
-        raise UserError("vision.balance: spreads the encoder over data ranks, but with dist.pp > 1 only "
-                        "stage 0 encodes; set vision.balance: none")
     n_stages = dims.pp * stages_per_rank(d.pp_schedule)
     if d.pp_vision_stage and cfg.model.decoder.n_layers < n_stages - 1:
         raise UserError(f"dist.pp_vision_stage: the {n_stages - 1} stages after the vision stage ({dims.pp} "

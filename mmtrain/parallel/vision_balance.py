@@ -15,6 +15,10 @@ still runs every block (VisionEncoder's blank frame): FSDP's collectives stay ma
             chunk holds one of its placeholders (tp: the encoder is replicated, not split, so its
             tp ranks would otherwise encode the same media tp times)
 
+Under dist.pp > 1 only stage 0 encodes (pp rank 0's ranks: `balance_group`); either mode balances
+over its ranks, whose schedules run the same micro-batches' forwards (row parts included) and
+backwards in the same order, so the exchanges line up as FSDP's collectives do.
+
 Installed as `MultimodalModel.encode_media`, used by training forwards only. Two passes stay local:
 - eval forwards (evaluate, diagnostics, probe, captioning): not every one runs on every rank in
   step (captioning decodes on rank 0 alone), so a collective inside would hang; they have no
@@ -149,25 +153,32 @@ class VisionBalancer(Callback):
 def balance_group(kind: str, dims) -> tuple[dist.ProcessGroup | None, int]:
     """-> (the balance group, ranks per unit); None when there is nothing to balance. Every rank
     calls it (new_group is collective). A unit is a (cp, tp) group (`seq_size` consecutive ranks,
-    group rank = seq_rank: the row chunk `_need` reads)."""
+    group rank = seq_rank: the row chunk `_need` reads). Under dist.pp the encoder is stage 0's,
+    on pp rank 0 under every schedule (the vision stage's too): the groups are made of those ranks
+    (the first world / pp, pp being the outermost dim) and the other stages' ranks get None."""
     if kind == "none" or dims.world_size == 1:
         return None, 1
-    seq = dims.seq_size
+    seq, pp, first = dims.seq_size, dims.pp, dims.pp_rank == 0
+    if pp == 1 and (kind == "dp_cp" or seq == 1):
+        return (dist.group.WORLD, seq) if kind == "dp_cp" or dims.dp_size > 1 else (None, 1)
+    stage0 = range(dims.world_size // pp)  # pp rank 0's ranks: every data rank and (cp, tp) chunk
     if kind == "dp_cp":
-        return dist.group.WORLD, seq
-    if seq == 1:
-        return (dist.group.WORLD, 1) if dims.dp_size > 1 else (None, 1)
-    groups = [dist.new_group([dims.rank_of(dp, s // dims.tp, s % dims.tp) for dp in range(dims.dp_size)])
-              for s in range(seq)]
-    return (groups[dims.seq_rank], 1) if dims.dp_size > 1 else (None, 1)
+        group = dist.new_group(list(stage0))
+        return (group, seq) if first else (None, 1)
+    groups = [dist.new_group([r for r in stage0 if r % seq == s]) for s in range(seq)]
+    return (groups[dims.seq_rank], 1) if first and dims.dp_size > 1 else (None, 1)
 
 
 def install(model, cfg: VisionBalanceConfig, dims, traffic: Traffic | None = None) -> str:
-    """Set `model.encode_media` per `cfg.balance`; -> a line for the log."""
+    """Set `model.encode_media` per `cfg.balance` (`model`: what the training forwards encode with;
+    None on a pipeline rank without stage 0); -> a line for the log."""
     group, unit = balance_group(cfg.balance, dims)
     if group is None:
-        return f"vision.balance: {cfg.balance}" + (" (nothing to balance: one rank)"
-                                                    if cfg.balance != "none" else "")
+        if cfg.balance == "none":
+            return "vision.balance: none"
+        why = ("this rank holds no vision encoder: stage 0's ranks balance" if dims.pp_rank > 0
+               else "one rank" if dims.pp == 1 else "one data rank on the first pipeline stage")
+        return f"vision.balance: {cfg.balance} (nothing to balance: {why})"
     model.encode_media = VisionBalancer(group, unit, (cfg.cost_a, cfg.cost_b, cfg.cost_c), traffic)
     return (f"vision.balance: {cfg.balance} over {dist.get_world_size(group)} ranks "
             f"(units of {unit}; cost {cfg.cost_a:g} n^2 + {cfg.cost_b:g} n + {cfg.cost_c:g})")

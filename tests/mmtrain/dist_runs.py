@@ -286,14 +286,17 @@ def parity_worker(config: str, out: str, steps: int = 10) -> None:
 
 def _count_encoded(trainer) -> list[int]:
     """[patches]: what this rank's vision encoder takes in, counted by a forward pre-hook (balanced or
-    not, the encoder module runs every encoding: vision.balance calls it on the patches it received)."""
+    not, the encoder module runs every encoding: vision.balance calls it on the patches it received).
+    The encoder the training forwards use (`trainer.encoder`): under dist.pp stage 0's, not the
+    evaluation replica's; 0 on a rank without stage 0."""
     count = [0]
 
     def hook(module, args):
         if module.training:
             count[0] += int(args[0].shape[0])
 
-    trainer.raw_model.vision.register_forward_pre_hook(hook)
+    if trainer.encoder is not None:
+        trainer.encoder.vision.register_forward_pre_hook(hook)
     return count
 
 

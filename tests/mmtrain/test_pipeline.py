@@ -250,7 +250,6 @@ def test_config_refuses_what_pipelines_do_not_compose_with(corpus, tmp_path):
 
     assert tuple(SCHEDULES) == PP_SCHEDULES
     cases = {"dist.pp_schedule": (["dist.pp_schedule=DualPipeV"], 2),
-             "vision.balance": (["vision.balance=dp"], 1),
              "dist.pp: 4": (["dist.pp_schedule=Interleaved1F1B"], 1)}
     for key, (overrides, ep) in cases.items():
         cfg = tiny_config(corpus, tmp_path / "run", overrides)

@@ -285,3 +285,25 @@ def test_trainer_refuses_pipeline_meshes_it_does_not_build(corpus, tmp_path, ove
     cp = tiny_config(corpus, tmp_path / "run",
                      ["dist.pp=2", "dist.cp=2", "model.decoder.attention.full_tile=16"])
     check_pipeline_mesh(cp, ParallelDims.from_config(cp.dist, 4))  # PP(2) x CP(2) builds
+
+
+# ----- GradNorm at dist.pp > 1 -----------------------------------------------------------------------
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc, rows", [
+    pytest.param(2, 4, id="pp2"),
+    # the last stage's two data ranks each form their rows' head gradients (the FSDP-gathered head),
+    # summed with stage 0's zeros (MMTRAIN_SLOW_TESTS=1; pp2 keeps the path in CI)
+    pytest.param(4, 8, id="pp2-fsdp2", marks=pytest.mark.slow)])
+def test_gradnorm_at_pp2_matches_one_process(raw_for, tmp_path, nproc, rows):
+    """GradNorm at PP(2) x 1F1B with each batch's rows split into the schedule's 2 micro-batches:
+    the per-task LM-head gradients form on the last stage (each part's over its whole batch's
+    counts), stage 0 joins the step's all-reduce with zeros, so every rank's balancer takes one
+    process's weights and per-task head norms, step by step (rank 0, whose stage has no head, writes
+    them; the last stage's weights are the losses')."""
+    one, pp = _trainer_parity(raw_for, tmp_path, nproc, ["dist.pp=2"],
+                              base=[f"data.batch_size={rows}", "train.grad_accum=1",
+                                    "loss.balancer.kind=gradnorm", "loss.balancer.lr=0.5"])
+    _check_trainer_parity(one, pp)
+    for got, want in zip(pp["balance"], one["balance"], strict=True):  # weights, GradNorm's head norms
+        assert got.keys() == want.keys() and got == pytest.approx(want, rel=1e-5, abs=0), (got, want)
+    assert any(abs(pp["balance"][-1][t] - 1) > 1e-3 for t in ("text", "image_text", "video_text"))

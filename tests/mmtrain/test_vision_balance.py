@@ -140,3 +140,73 @@ def test_config_names_a_bad_balance(raw_for, tmp_path):
     apply_override(raw, "vision.balance=ranks")
     with pytest.raises(ConfigError, match="vision.balance: must be one of"):
         from_dict(RunConfig, raw, source="t")
+
+
+# dist.pp > 1: only stage 0 (pp rank 0) encodes; the balance spreads it over that stage's data ranks
+PP_MESHES = {  # (ranks, rows, overrides); tiny's grad_accum 1: each rank's 2 rows in the schedule's 2 parts
+    "pp2-fsdp2-dp": (4, 4, ["dist.pp=2", "vision.balance=dp"]),
+    # MMTRAIN_SLOW_TESTS=1 (pp2-fsdp2-dp keeps the pp path in CI, tp2-dp_cp the units): dp_cp in units
+    # of stage 0's tp pair, each medium encoded once instead of on both tp ranks
+    "tp2-pp2-dp_cp": (4, 4, ["dist.pp=2", "dist.tp=2", HEADS, "vision.balance=dp_cp"]),
+}
+
+
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=SLOW) if "tp2" in m else m for m in PP_MESHES])
+def test_balance_under_pp_matches_it_off_and_spreads_stage0s_encoding(raw_for, tmp_path, mesh):
+    """PP(2) x FSDP(2): stage 0's two data ranks exchange their micro-batches' media (their schedules
+    run the same forwards in the same order, row parts included); the same losses and gradient norms
+    as with the balance off, and each stage-0 rank encodes fewer patches than the busier did without
+    it (the stage-1 ranks none: they hold no encoder)."""
+    nproc, rows, overrides = PP_MESHES[mesh]
+    runs = {}
+    for name, sets in (("off", [o for o in overrides if not o.startswith("vision.")]), ("on", overrides)):
+        config = write_config(raw_for, tmp_path / name, [f"data.batch_size={rows}", *sets])
+        launch([str(WORKER), "parity", str(config), str(tmp_path / f"{name}.json"), STEPS], nproc=nproc)
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    off, on = runs["off"], runs["on"]
+    assert on["tokens"] == off["tokens"]
+    assert on["loss"] == pytest.approx(off["loss"], rel=1e-5, abs=0)
+    assert on["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-5, abs=0)
+    assert on["traffic"].get("vision_tokens", 0) > 0  # (dp_cp in one tp pair: its rows' media at hand)
+    assert on["traffic"].get("vision_patches", 0) > 0 or "dp_cp" in mesh
+    got, was = on["encoded_patches"], off["encoded_patches"]  # per rank, 5 steps; ranks 0, 1: stage 0
+    assert got[2:] == was[2:] == [0, 0] and min(was[:2]) > 0, (got, was)
+    if "dp_cp" in mesh:  # the tp pair encoded the same media twice; now each medium once
+        assert was[0] == was[1] and sum(got) == sum(was) // 2, (got, was)
+    assert sum(got) <= sum(was) and max(got) < max(was), (got, was)
+
+
+@pytest.mark.parametrize("cp, tp", [(1, 1), (1, 2)])
+def test_balance_groups_under_pp_are_the_first_stages_ranks(cp, tp):
+    """dist.pp 2: the encoder is stage 0's, on pp rank 0 under every schedule: dp balances over its
+    data ranks of one (cp, tp) coordinate, dp_cp over all its ranks in units of cp x tp; the other
+    stage's ranks balance nothing, and the log line says why (as at PP(2) alone, one data rank)."""
+    import torch.distributed as dist
+    from dist_runs import fake_process_group
+
+    from mmtrain.parallel.config import DistConfig
+    from mmtrain.parallel.dims import ParallelDims
+    from mmtrain.parallel.vision_balance import VisionBalanceConfig, balance_group, install
+
+    seq = cp * tp
+    world = 2 * 2 * seq  # pp 2 x dp_shard 2
+    for rank in range(world):
+        with fake_process_group(world, rank):
+            dims = ParallelDims.from_config(DistConfig(pp=2, cp=cp, tp=tp), world, rank)
+            group, unit = balance_group("dp", dims)
+            if rank >= world // 2:
+                assert (group, unit) == (None, 1)
+                assert "holds no vision encoder" in install(None, VisionBalanceConfig("dp"), dims)
+                assert seq == 1 or balance_group("dp_cp", dims) == (None, 1)
+                continue
+            assert unit == 1 and dist.get_process_group_ranks(group) == [
+                r for r in range(world // 2) if r % seq == dims.seq_rank]
+            if seq > 1:
+                group, unit = balance_group("dp_cp", dims)
+                assert unit == seq and dist.get_process_group_ranks(group) == list(range(world // 2))
+    for rank in range(2):  # PP(2) alone: stage 0 has one data rank
+        with fake_process_group(2, rank):
+            dims = ParallelDims.from_config(DistConfig(pp=2), 2, rank)
+            assert balance_group("dp", dims) == (None, 1)
+            line = install(None, VisionBalanceConfig("dp"), dims)
+            assert ("one data rank on the first pipeline stage" if rank == 0 else "holds no vision") in line

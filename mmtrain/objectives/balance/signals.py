@@ -14,6 +14,8 @@ forms the closed-form gradient of its own tokens, each divided by its task's tra
 rank (the objective's global counts), against the whole LM head (FSDP-gathered; tp does not split
 the head), and the (tasks, V, D) gradients are all-reduced over the world before the norm: the sum
 of the chunks' gradients is the whole rows' (tests: CP(2), TP(2) GradNorm parity with one process).
+Under dist.pp only the last stage's ranks form them (the loss runs there); the other stages add
+zeros to the same all-reduce (PP(2) parity, its rows split into row parts).
 """
 
 from __future__ import annotations
