@@ -20,26 +20,20 @@ decisions (skip, balancer weights).
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 
 from mmtrain.data_pipelines.batch import IGNORE_INDEX, PackedBatch
-from mmtrain.errors import UserError
+from mmtrain.frozen import frozen_state
 from mmtrain.models.multimodal import ModelOutput
-from mmtrain.objectives.terms import dummy_batch, take_rows
+from mmtrain.objectives.chunked_ce import head_ce
+from mmtrain.objectives.heads import head_weight
+from mmtrain.objectives.terms import dummy_batch, reliance_sums, take_rows, token_losses
 from mmtrain.parallel.pipeline import AUX_NAMES, CARRIED, StageModel, build_schedule, run_schedule
 
-# loss terms that need a second forward, extra rows or a stage they do not run on
-_REFUSED_TERMS = ("token_weighting",)
-
-
-def check_pipeline_objective(objective) -> None:
-    """One-line refusals of what the pipeline step does not compose with."""
-    for term in objective.terms:
-        if term.name in _REFUSED_TERMS:
-            raise UserError(f"loss.{term.name}: not supported with dist.pp > 1 (it needs the whole "
-                            f"model in one forward); turn it off or run without pipeline parallelism")
-    # GradNorm's per-task LM-head gradients form in the last stage's loss_fn (`finish`); the step's
-    # all-reduce over the world (`Objective._head_grad_norms`, zeros off that stage) shares them
+TW = "token_weighting"  # its blank CE's key in mb.held (the term reads it there)
 
 
 def pad_rows(mb, rows: int) -> None:
@@ -66,13 +60,13 @@ def pad_rows(mb, rows: int) -> None:
 class PipelineStep:
     def __init__(self, objective, parts: list[StageModel], schedule: str, pp_group, device: torch.device,
                  accum: int, dtype: torch.dtype = torch.float32, row_parts: int = 1):
-        check_pipeline_objective(objective)
         self.objective, self.parts, self.name = objective, parts, schedule
         self.group, self.device, self.accum, self.dtype = pp_group, device, accum, dtype
         self.row_parts = row_parts  # each batch's rows in this many micro-batches
         self.last = next((p for p in parts if p.is_last), None)
         self.schedule = None  # built on the first step: its shapes come from the first batch
         self._loss = None
+        self._frozen = None  # a forward-only pass of loss.token_weighting ("blank" / "real") or None
 
     def run(self, batches: list[PackedBatch], sums) -> torch.Tensor:
         """Forward and backward of the step's micro-batches; -> the sum of their losses / accum on the
@@ -83,13 +77,15 @@ class PipelineStep:
         if self.schedule is None:
             self.schedule = build_schedule(self.name, self.parts, self.group, self.device, len(mbs),
                                            self._loss_fn, mbs[0].inputs, self.dtype)
+        args = [(mb.inputs["tokens_BS"],) for mb in mbs]
+        if self.objective.token_weighting is not None:
+            self._frozen_passes(mbs, args, sums)
         measured = self.objective.measures_attention  # a log step: the layers count what they visit
         for part in self.parts:
             part.records.clear()
             part.attn_records.clear()
             part.measure_attn = measured
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        args = [(mb.inputs["tokens_BS"],) for mb in mbs]
         with self.objective.autocast():  # the trainer's (bf16 on CUDA), as its one-process forward
             run_schedule(self.schedule, args, [self._stage_inputs(mb) for mb in mbs], mbs)
         for part in self.parts:  # this rank's layers; the objective sums every layer over the world
@@ -97,6 +93,53 @@ class PipelineStep:
                 self.objective.add_attention(counts)
             part.measure_attn = False
         return self._loss
+
+    def _frozen_passes(self, mbs: list, args: list, sums) -> None:
+        """loss.token_weighting: every micro-batch forward with its media blanked, through the stages,
+        forward only, in eval mode, the RNG restored (`frozen_state`, as the one-process blank pass);
+        the last stage keeps each one's blank CE in `mb.held`. With row parts a second pass with the
+        media gives the real CE too, so each part's weights use its whole batch's reliance means,
+        which one process takes over the batch before any backward (`terms.reliance_sums`). All
+        rows are forwarded (the stages' shapes are static; rows never attend across, so a media
+        row's CE is the one-process pass's on its media rows alone)."""
+        t0 = time.perf_counter()
+        for kind in ("blank", "real") if self.row_parts > 1 else ("blank",):
+            inputs = [{**mb.inputs, "patches_NP": torch.zeros_like(mb.inputs["patches_NP"])}
+                      if kind == "blank" else mb.inputs for mb in mbs]
+            self._frozen = kind
+            try:
+                with torch.no_grad(), contextlib.ExitStack() as stack, self.objective.autocast():
+                    for part in self.parts:
+                        stack.enter_context(frozen_state(part, self.device))
+                    run_schedule(self.schedule, args, inputs, mbs, forward_only=True)
+            finally:
+                self._frozen = None
+        if self.last is not None and self.row_parts > 1:
+            self._reliance_sums(mbs)
+        if self.device.type == "cuda":  # the forwards' GPU time, not their launch time
+            torch.cuda.synchronize(self.device)
+        sums.token_weighting.seconds += time.perf_counter() - t0
+
+    def _reliance_sums(self, mbs: list) -> None:
+        """Each batch's reliance sums over its parts (and the rows' chunks of a tp / cp group) into
+        its parts' `mb.held` (the last stage's ranks)."""
+        cfg, c, k = self.objective.token_weighting.cfg, self.last.context, self.row_parts
+        for i in range(0, len(mbs), k):
+            batch_mbs = mbs[i:i + k]
+            totals = sum(reliance_sums(mb.held.pop("real"), mb.held[TW], mb.batch.labels_BS, mb.batch.task_BS,
+                                       cfg.floor) for mb in batch_mbs)
+            totals = totals if c is None else c.comm.sum_(totals)
+            for mb in batch_mbs:
+                mb.held["reliance_sums"] = totals
+
+    def _own_ce(self, h_BSD: torch.Tensor, mb) -> torch.Tensor:
+        """(B, s) per-token CE of the micro-batch's own rows (its chunk under tp / cp), the LM head
+        full or chunked as the training loss's."""
+        obj, labels_BS = self.objective, mb.batch.labels_BS
+        h_BSD = h_BSD[:labels_BS.shape[0]]
+        if obj.cfg.loss.ce_chunk:
+            return head_ce(h_BSD, head_weight(obj.raw_model), labels_BS, obj.cfg.loss.ce_chunk)[0]
+        return token_losses(self.last.decoder.logits(h_BSD), labels_BS)
 
     @staticmethod
     def _stage_inputs(mb) -> dict:
@@ -126,6 +169,9 @@ class PipelineStep:
     def _loss_fn(self, output: tuple[torch.Tensor, torch.Tensor], mb) -> torch.Tensor:
         h_BSD, carry_C = output
         obj = self.objective
+        if self._frozen is not None:  # token weighting's forward-only passes: keep the CE, no loss
+            mb.held[TW if self._frozen == "blank" else "real"] = self._own_ce(h_BSD, mb)
+            return h_BSD.new_zeros((), dtype=torch.float32)
         logits = None if obj.cfg.loss.ce_chunk else self.last.decoder.logits(h_BSD)
         aux = {name: carry_C[CARRIED.index(name)] for name in AUX_NAMES}
         # loss.visual_ssl: stage 0's masked-patch loss, carried here (its gradient flows back there)

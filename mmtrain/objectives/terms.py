@@ -114,10 +114,26 @@ def media_tokens(labels_BS: torch.Tensor, task_BS: torch.Tensor) -> torch.Tensor
     return (labels_BS != IGNORE_INDEX) & ((task_BS == TASK_IMAGE_TEXT) | (task_BS == TASK_VIDEO_TEXT))
 
 
+def _reliance(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, floor: float) -> torch.Tensor:
+    return (ce_blank_BS.float() - ce_real_BS.float()).clamp(min=0) + floor
+
+
+@torch.no_grad()
+def reliance_sums(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, labels_BS: torch.Tensor,
+                  task_BS: torch.Tensor, floor: float) -> torch.Tensor:
+    """(2, media tasks) float64: per media task, the sum of r (`reliance_weights`) over its trained
+    tokens and their count (float64 keeps the counts exact)."""
+    r_BS, trained_BS = _reliance(ce_real_BS, ce_blank_BS, floor), labels_BS != IGNORE_INDEX
+    sels = [trained_BS & (task_BS == task_id) for task_id in MEDIA_TASK_IDS]  # (B, S) each
+    return torch.stack([torch.stack([(r_BS * sel_BS).sum() for sel_BS in sels]).double(),
+                        torch.stack([sel_BS.sum() for sel_BS in sels]).double()])
+
+
 @torch.no_grad()
 def reliance_weights(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, labels_BS: torch.Tensor,
                      task_BS: torch.Tensor, strength: float, floor: float,
-                     group_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                     group_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     totals: torch.Tensor | None = None) -> torch.Tensor:
     """(B, S) fp32 loss weights: 1 except on the media tasks' trained tokens, where
     w = (1 - strength) + strength * r / mean_task(r), r = max(ce_blank - ce_real, 0) + floor.
 
@@ -125,16 +141,16 @@ def reliance_weights(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, labels
     its loss keeps its scale; `floor` (nats, > 0) keeps a token the pixels do not help from
     dropping out, and makes equal deltas give weights of 1. `group_sum` (rows split over a cp / tp
     group, each rank holding a chunk of them): an in-place sum over the group, of every task's sum
-    of r and token count in one tensor, so the mean is the whole rows'.
+    of r and token count in one tensor (`reliance_sums`), so the mean is the whole rows'. `totals`
+    (a pipeline's row part of a batch): those sums over the whole batch, given.
     """
-    trained_BS = labels_BS != IGNORE_INDEX
-    r_BS = (ce_blank_BS.float() - ce_real_BS.float()).clamp(min=0) + floor
+    r_BS, trained_BS = _reliance(ce_real_BS, ce_blank_BS, floor), labels_BS != IGNORE_INDEX
     sels = [trained_BS & (task_BS == task_id) for task_id in MEDIA_TASK_IDS]  # (B, S) each
-    r_sums = torch.stack([(r_BS * sel_BS).sum() for sel_BS in sels])
-    counts = torch.stack([sel_BS.sum() for sel_BS in sels])
-    if group_sum is not None:  # one small all-reduce: float64 keeps the counts exact
-        both = group_sum(torch.stack([r_sums.double(), counts.double()]))
-        r_sums, counts = both[0].to(r_BS.dtype), both[1].long()
+    if totals is None:
+        totals = reliance_sums(ce_real_BS, ce_blank_BS, labels_BS, task_BS, floor)
+        if group_sum is not None:  # one small all-reduce
+            totals = group_sum(totals)
+    r_sums, counts = totals[0].to(r_BS.dtype), totals[1].long()
     w_BS = torch.ones_like(r_BS)
     for sel_BS, r_sum, n in zip(sels, r_sums, counts):
         w_BS = torch.where(sel_BS, (1 - strength) + strength * r_BS / (r_sum / n.clamp(min=1)), w_BS)

@@ -395,15 +395,22 @@ def boundary_args(B: int, S: int, D: int, dtype: torch.dtype, device: torch.devi
             torch.empty(len(CARRIED), device=device, dtype=torch.float32, requires_grad=True))
 
 
-def run_schedule(schedule, arg_mbs: list, kwarg_mbs: list, target_mbs: list) -> None:
+def run_schedule(schedule, arg_mbs: list, kwarg_mbs: list, target_mbs: list,
+                 forward_only: bool = False) -> None:
     """`schedule.step` on micro-batches the caller made: ours are the loader's micro-batches, whose
-    media (patches, grids) differ in length, so they cannot come from splitting one batch."""
+    media (patches, grids) differ in length, so they cannot come from splitting one batch.
+    `forward_only`: as `schedule.eval` (the loss_fn still runs on the last stage, nothing backwards)."""
     stages = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
-    for stage in stages:  # what step() does before its split
-        stage.has_backward = schedule._has_backward
-        stage.clear_runtime_states()
-    with pipeline_p2p.named(stages[0].group):  # gloo: the sends and receives bounded and named
-        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs=False)
+    has_backward = schedule._has_backward
+    schedule._has_backward = has_backward and not forward_only
+    try:
+        for stage in stages:  # what step() does before its split
+            stage.has_backward = schedule._has_backward
+            stage.clear_runtime_states()
+        with pipeline_p2p.named(stages[0].group):  # gloo: the sends and receives bounded and named
+            schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, return_outputs=False)
+    finally:
+        schedule._has_backward = has_backward
 
 
 def pp_grad_norm_of(grads: list[Tensor], group, device: torch.device) -> Tensor:

@@ -269,19 +269,3 @@ def test_split_refuses_a_model_already_checkpointed():
     checkpoint_forward(model.decoder.layers[0])
     with pytest.raises(ValueError, match="activation checkpointing"):
         build_stage_models(model, "Interleaved1F1B", 0, 2, 96)
-
-
-def test_pipeline_refuses_loss_terms_it_cannot_run(corpus, tmp_path):
-    from mmtrain.loop.pipeline_step import check_pipeline_objective
-    from mmtrain.objectives.balance import build_balancer
-    from mmtrain.objectives.objective import Objective
-    from mmtrain.parallel.distributed import DistEnv
-
-    cfg = tiny_config(corpus, tmp_path / "run", ["loss.token_weighting.strength=0.5"])
-    cfg.model.decoder.vocab_size = 300
-    model = MultimodalModel(cfg.model)
-    obj = Objective(cfg, model, build_balancer(cfg.loss.balancer, {"text": 1.0, "image_text": 1.0,
-                                                                   "video_text": 1.0}),
-                    env=DistEnv(), device=torch.device("cpu"))
-    with pytest.raises(UserError, match="loss.token_weighting"):
-        check_pipeline_objective(obj)

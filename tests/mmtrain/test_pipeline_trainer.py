@@ -88,6 +88,19 @@ def test_trainer_at_pp2_with_the_contrast_matches_one_process(raw_for, tmp_path)
 
 
 @pytest.mark.distributed
+def test_trainer_at_pp2_with_token_weighting_matches_one_process(raw_for, tmp_path):
+    """loss.token_weighting at PP(2) x 1F1B, grad_accum 1, with tiny's objective and the contrast:
+    the blank pass runs through the stages forward only (frozen, before the schedule), and, the
+    batch being split in two, a second pass with the media gives each part its batch's reliance
+    means, which one process takes before any backward."""
+    one, pp = _trainer_parity(raw_for, tmp_path, 2, ["dist.pp=2"],
+                              base=["data.batch_size=4", "train.grad_accum=1", "model.visual_head=true",
+                                    "loss.visual_next.weight=1", "loss.contrast.weight=1",
+                                    "loss.token_weighting.strength=1"])
+    _check_trainer_parity(one, pp)
+
+
+@pytest.mark.distributed
 def test_trainer_at_pp2_with_visual_ssl_matches_one_process(raw_for, tmp_path):
     """loss.visual_ssl at PP(2) x 1F1B with the vision encoder's own stage (dist.pp_vision_stage:
     stage 0 holds no decoder layer), grad_accum 1: stage 0's masked-patch loss crosses the stages

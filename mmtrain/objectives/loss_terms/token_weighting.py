@@ -1,5 +1,7 @@
 """Token reliance weighting (`loss.token_weighting`; objectives/token_weighting.py): a blank-media
-forward before the training forward, then the media tasks' losses reweighted (no loss of its own)."""
+forward before the training forward, then the media tasks' losses reweighted (no loss of its own).
+At dist.pp > 1 the pipeline runs the blank forwards through its stages (loop/pipeline_step.py) and
+hands each micro-batch its blank CE (and a row part its batch's reliance sums) in `mb.held`."""
 
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ class TokenWeightingTerm(Term):
         self.tw = TokenWeighting(self.cfg, obj.model, obj.device, obj.autocast, obj.pad_batch,
                                  obj.cfg.dist.strategy == "fsdp", obj.cfg.loss.ce_chunk,
                                  lambda: head_weight(obj.raw_model), context=obj.context)
-        self._blank_BS = None
 
     @classmethod
     def enabled(cls, loss_cfg) -> bool:
@@ -29,13 +30,15 @@ class TokenWeightingTerm(Term):
     def before_forward(self, mb: MicroBatch) -> None:
         # first, so that its activations are gone before the training graph's; under cp / tp it
         # reads the whole rows (the model does) and gives this rank's chunk, as mb.batch
+        if self.obj.pp > 1:  # the pipeline's frozen passes fill mb.held
+            return
         rows = mb.batch if mb.whole is None else mb.whole
-        self._blank_BS = self.tw.blank_ce(rows, mb.counts_T, mb.sums.token_weighting)
+        mb.held[self.name] = self.tw.blank_ce(rows, mb.counts_T, mb.sums.token_weighting)
 
     def reweight(self, mb: MicroBatch, losses: TaskLosses) -> TaskLosses:
-        blank_BS, self._blank_BS = self._blank_BS, None
+        blank_BS, totals = mb.held.pop(self.name, None), mb.held.pop("reliance_sums", None)
         return losses if blank_BS is None else self.tw.reweight(losses, blank_BS, mb.batch,
-                                                                mb.sums.token_weighting)
+                                                                mb.sums.token_weighting, totals)
 
     @classmethod
     def report(cls, loss_cfg, total, accum: int, world: int, rep: Reported) -> None:
