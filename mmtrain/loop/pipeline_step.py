@@ -30,7 +30,8 @@ from mmtrain.frozen import frozen_state
 from mmtrain.models.multimodal import ModelOutput
 from mmtrain.objectives.chunked_ce import head_ce
 from mmtrain.objectives.heads import head_weight
-from mmtrain.objectives.terms import dummy_batch, reliance_sums, take_rows, token_losses
+from mmtrain.objectives.terms import MEDIA_TASK_IDS, dummy_batch, reliance_sums, take_rows, token_losses
+from mmtrain.parallel.distributed import all_reduce
 from mmtrain.parallel.pipeline import AUX_NAMES, CARRIED, StageModel, build_schedule, run_schedule
 
 TW = "token_weighting"  # its blank CE's key in mb.held (the term reads it there)
@@ -95,15 +96,15 @@ class PipelineStep:
         return self._loss
 
     def _frozen_passes(self, mbs: list, args: list, sums) -> None:
-        """loss.token_weighting: every micro-batch forward with its media blanked, through the stages,
-        forward only, in eval mode, the RNG restored (`frozen_state`, as the one-process blank pass);
-        the last stage keeps each one's blank CE in `mb.held`. With row parts a second pass with the
-        media gives the real CE too, so each part's weights use its whole batch's reliance means,
-        which one process takes over the batch before any backward (`terms.reliance_sums`). All
-        rows are forwarded (the stages' shapes are static; rows never attend across, so a media
-        row's CE is the one-process pass's on its media rows alone)."""
+        """loss.token_weighting: every micro-batch forward with its media blanked, then with them,
+        through the stages, forward only, in eval mode, the RNG restored (`frozen_state`, as the
+        one-process blank pass); the last stage keeps each one's blank and real CE, and every rank
+        joins the reduce of each batch's reliance sums (`_reliance_sums`): the weights' per-task
+        means are one process's over the global batch before any backward. All rows are forwarded
+        (the stages' shapes are static; rows never attend across, so a media row's CE is the
+        one-process pass's on its media rows alone)."""
         t0 = time.perf_counter()
-        for kind in ("blank", "real") if self.row_parts > 1 else ("blank",):
+        for kind in ("blank", "real"):
             inputs = [{**mb.inputs, "patches_NP": torch.zeros_like(mb.inputs["patches_NP"])}
                       if kind == "blank" else mb.inputs for mb in mbs]
             self._frozen = kind
@@ -114,23 +115,26 @@ class PipelineStep:
                     run_schedule(self.schedule, args, inputs, mbs, forward_only=True)
             finally:
                 self._frozen = None
-        if self.last is not None and self.row_parts > 1:
-            self._reliance_sums(mbs)
+        self._reliance_sums(mbs)
         if self.device.type == "cuda":  # the forwards' GPU time, not their launch time
             torch.cuda.synchronize(self.device)
         sums.token_weighting.seconds += time.perf_counter() - t0
 
     def _reliance_sums(self, mbs: list) -> None:
-        """Each batch's reliance sums over its parts (and the rows' chunks of a tp / cp group) into
-        its parts' `mb.held` (the last stage's ranks)."""
-        cfg, c, k = self.objective.token_weighting.cfg, self.last.context, self.row_parts
-        for i in range(0, len(mbs), k):
-            batch_mbs = mbs[i:i + k]
-            totals = sum(reliance_sums(mb.held.pop("real"), mb.held[TW], mb.batch.labels_BS, mb.batch.task_BS,
-                                       cfg.floor) for mb in batch_mbs)
-            totals = totals if c is None else c.comm.sum_(totals)
-            for mb in batch_mbs:
-                mb.held["reliance_sums"] = totals
+        """Each batch's reliance sums (`terms.reliance_sums`) over its row parts, summed over the world
+        (the data-parallel ranks and a row's tp / cp chunks of the last stage; the other stages add
+        zeros) -> its micro-batches' `mb.held` on the last stage."""
+        k, floor = self.row_parts, self.objective.token_weighting.cfg.floor
+        totals_G2T = torch.zeros(len(mbs) // k, 2, len(MEDIA_TASK_IDS), dtype=torch.float64,
+                                 device=self.device)
+        if self.last is not None:
+            for i, mb in enumerate(mbs):
+                totals_G2T[i // k] += reliance_sums(mb.held.pop("real"), mb.held[TW], mb.batch.labels_BS,
+                                                    mb.batch.task_BS, floor)
+        all_reduce(totals_G2T, self.objective.env)
+        if self.last is not None:
+            for i, mb in enumerate(mbs):
+                mb.held["reliance_sums"] = totals_G2T[i // k]
 
     def _own_ce(self, h_BSD: torch.Tensor, mb) -> torch.Tensor:
         """(B, s) per-token CE of the micro-batch's own rows (its chunk under tp / cp), the LM head

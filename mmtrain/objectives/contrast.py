@@ -48,7 +48,7 @@ class ContrastConfig:
 class ContrastSums(Sums):
     """Over micro-batches (and, reduced, ranks)."""
 
-    term: float = 0.0  # sum over micro-batches of the mean hinge (before the weight)
+    term: float = 0.0  # sum over micro-batches of this rank's share of the mean hinge (before the weight)
     gap: float = 0.0  # sum of the documents' gaps
     docs: float = 0.0  # documents contrasted
     active: float = 0.0  # of them, below the margin (still pushing)
@@ -132,16 +132,15 @@ def document_gaps(ce_real_RS: torch.Tensor, ce_swap_RS: torch.Tensor, rows: Cont
 
 def contrast_term(ce_own_BS: torch.Tensor, ce_swap_RS: torch.Tensor, rows: ContrastRows, margin: float,
                   sums: ContrastSums, context: ContextShard | None = None,
-                  n_docs: int | None = None) -> torch.Tensor:
-    """The mean hinge over the contrasted documents (with its graph); the step's figures -> sums
+                  n_docs=None) -> torch.Tensor:
+    """The hinge summed over the contrasted documents over `n_docs` (default theirs: the mean; the
+    global batch's documents, so that the ranks' terms add up) with its graph; the step's figures -> sums
     (tensors: read at the step's end). `ce_own_BS`: the batch's own rows' per-token CE, `ce_swap_RS`
     the copies' (both with their graphs; the loss's head gives them, full or chunked). With `context`
-    (a row split over cp / tp ranks) the CEs are this rank's chunk: see `document_gaps`. `n_docs` (a
-    pipeline's row part of a batch, `part_rows`): the batch's documents, the mean's divisor."""
+    (a row split over cp / tp ranks) the CEs are this rank's chunk: see `document_gaps`."""
     gap_D = document_gaps(ce_own_BS[rows.own_R], ce_swap_RS, rows, context)
     hinge_D = (margin - gap_D).clamp(min=0)
     term = hinge_D.mean() if n_docs is None else hinge_D.sum() / n_docs
-    sums.term += term.detach().double()
     sums.gap += gap_D.detach().sum().double()
     sums.docs += gap_D.shape[0]  # a host number already: torch.unique sized gap_D
     sums.active += (hinge_D > 0).sum().double()

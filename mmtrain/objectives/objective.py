@@ -198,7 +198,26 @@ class Objective:
                         share_rows=share_rows, ref=None if share_of is None else share_of.model_inputs())
         for term in self.terms:
             term.before_forward(mb)
+        self._row_counts(mb)
         return mb
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same rows: a row's pipeline stages and its cp x tp chunks."""
+        return self.pp * self.cfg.dist.cp * self.cfg.dist.tp
+
+    def _row_counts(self, mb: MicroBatch) -> None:
+        """The terms' whole-row divisors summed over the ranks holding distinct rows, in one
+        all-reduce of float64 counts (exact): every rank holds the same terms, so joins it."""
+        counts = {t.name: n for t in self.terms if (n := t.row_count(mb)) is not None}  # a count or a tuple
+        if counts and self.env.distributed:
+            flat = [n for c in counts.values() for n in (c if isinstance(c, tuple) else (c,))]
+            n_T = all_reduce(torch.stack([torch.as_tensor(n, dtype=torch.float64, device=self.device)
+                                          for n in flat]), self.env) / self.replicas
+            it = iter(n_T)
+            counts = {k: tuple(next(it) for _ in c) if isinstance(c, tuple) else next(it)
+                      for k, c in counts.items()}
+        mb.row_counts = counts
 
     def finish(self, mb: MicroBatch) -> torch.Tensor:
         """The micro-batch's loss from its forward's output `mb.out` (a ModelOutput)."""

@@ -95,15 +95,15 @@ def reweighted(losses: TaskLosses, weights_BS: torch.Tensor, labels_BS: torch.Te
 
 def visual_next_loss(pred_KT: torch.Tensor, patches_NP: torch.Tensor, grid_thw_M3: torch.Tensor,
                      merge: int, normalize: bool, keep_K: torch.Tensor | None = None,
-                     count: int | None = None) -> torch.Tensor:
+                     count: int | torch.Tensor | None = None) -> torch.Tensor:
     """fp32 MSE of the visual head's pixels (`ModelOutput.visual_next_KT`) against the next tokens'
     (models/visual_next.py), mean over the predicted tokens and their values. No token with a
     target (no media, or one-token media): 0, still tied to the head (DDP wants its gradient).
     `keep_K` (context parallelism: the pairs in this rank's chunk, `visual_next.chunk_pairs`): the
-    squared errors of those tokens over the whole rows' count, so the ranks' terms add up to it.
-    `count` (a pipeline's row part of a batch): the divisor, the batch's K x T (`target_count`)."""
+    squared errors of those tokens. `count`: the divisor (default the targets' K x T): the global
+    batch's K x T (`target_count`, summed over data-parallel ranks), so the ranks' terms add up."""
     target_KT = next_targets(patches_NP, grid_thw_M3, merge, normalize)
-    count = max(target_KT.numel() if count is None else count, 1)
+    count = max(target_KT.numel(), 1) if count is None else count
     if keep_K is not None:
         target_KT = target_KT[keep_K.to(target_KT.device)]
     return (pred_KT.float() - target_KT).square().sum() / count
@@ -125,7 +125,8 @@ def reliance_sums(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, labels_BS
     tokens and their count (float64 keeps the counts exact)."""
     r_BS, trained_BS = _reliance(ce_real_BS, ce_blank_BS, floor), labels_BS != IGNORE_INDEX
     sels = [trained_BS & (task_BS == task_id) for task_id in MEDIA_TASK_IDS]  # (B, S) each
-    return torch.stack([torch.stack([(r_BS * sel_BS).sum() for sel_BS in sels]).double(),
+    r_BS = r_BS.double()  # summed in float64: a row's chunks (cp / tp) and parts add in any order
+    return torch.stack([torch.stack([(r_BS * sel_BS).sum() for sel_BS in sels]),
                         torch.stack([sel_BS.sum() for sel_BS in sels]).double()])
 
 

@@ -26,7 +26,8 @@ class DistConfig:
     tp: int = 1  # tensor parallelism: ranks that split every layer's heads / FFN width (innermost)
     pp: int = 1  # pipeline parallelism: stages, each a slice of the layers (outermost)
     # torch.distributed.pipelining's schedule by name (mmtrain/parallel/pipeline.py); micro-batches are
-    # train.grad_accum's. Interleaved1F1B / ZBVZeroBubble / DualPipeV run 2 stages a rank.
+    # train.grad_accum's, each split into equal row parts when fewer than one a rank (DualPipeV: one a
+    # stage). Interleaved1F1B / ZBVZeroBubble / DualPipeV run 2 stages a rank.
     pp_schedule: str = "1F1B"
     # the vision encoder, its projector and the token embedding on a stage of their own (stage 0, no
     # decoder layer); the decoder layers split over the other pp x stages-a-rank - 1 stages

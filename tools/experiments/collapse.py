@@ -130,8 +130,8 @@ def run_one(run: Run, base: Path, threads: int, force: bool, nproc: int = 1) -> 
     if run.run_dir.exists():
         shutil.rmtree(run.run_dir)  # a partial run restarts from scratch: same steps for every arm
     run.run_dir.mkdir(parents=True)
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-                if nproc > 1 else [sys.executable])  # nproc > 1: torchrun, the mesh from --set dist.*
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    launcher = torchrun if nproc > 1 else [sys.executable]  # nproc > 1: the mesh from --set dist.*
     cmd = [*launcher, "-m", "mmtrain.train", str(base), "--quiet",
            "--set", f"train.threads={threads}", *[a for o in run.overrides for a in ("--set", o)]]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}

@@ -5,6 +5,9 @@ A term is one class with `@register`: `name` (its config section `loss.<name>` w
 objective calls in registration order (loss_terms/__init__.py's imports):
 
     before_forward(mb)        e.g. extra rows, an ssl mask, model kwargs (mb.inputs, mb.kwargs)
+    row_count(mb) -> float    the divisor of a mean over whole rows (visual targets, documents,
+                              masked patches), once every before_forward ran; the objective sums
+                              them over the data-parallel ranks in one all-reduce -> mb.row_counts
     reweight(mb, losses)      the task losses to optimise (token weighting); default: unchanged
     loss(mb) -> Tensor|list   added to the micro-batch's loss (a list: one by one), in registration order
     report(cfg, total, ...)   class method, end of step: {'terms': ..., 'figures': ...} for StepStats
@@ -63,10 +66,18 @@ class MicroBatch:
     # what a term keeps between its hooks of this micro-batch, under its name (a pipeline prepares
     # every micro-batch of the step before the first loss)
     held: dict = field(default_factory=dict)
+    # each term's `row_count` summed over the ranks holding distinct rows (a float64 tensor in a
+    # distributed run): the divisor that makes its mean one process's over the global batch
+    row_counts: dict = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
         return self.batch.labels_BS.shape[0]
+
+
+def at_least_one(n):
+    """A divisor of 0 (nothing to average) as 1: the sum it divides is 0 too (a tensor stays one)."""
+    return n.clamp(min=1) if isinstance(n, torch.Tensor) else max(n, 1)
 
 
 @dataclass
@@ -90,6 +101,9 @@ class Term:
 
     def before_forward(self, mb: MicroBatch) -> None:
         pass
+
+    def row_count(self, mb: MicroBatch) -> float | None:
+        return None
 
     def reweight(self, mb: MicroBatch, losses: TaskLosses) -> TaskLosses:
         return losses

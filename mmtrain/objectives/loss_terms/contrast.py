@@ -15,7 +15,7 @@ from mmtrain.objectives.contrast import (
     extend,
     part_rows,
 )
-from mmtrain.objectives.loss_terms.base import MicroBatch, Reported, Term, register
+from mmtrain.objectives.loss_terms.base import MicroBatch, Reported, Term, at_least_one, register
 from mmtrain.objectives.terms import cat_rows
 
 
@@ -33,9 +33,9 @@ class Contrast(Term):
         # under cp / tp the copies are made of the whole rows (the model reads whole rows) and the
         # labels narrowed to this rank's chunk, as the batch's own (objective.prepare)
         extended, rows, n_docs = self._extend(mb)
+        mb.held[self.name] = (extended, rows, n_docs)
         if rows is None:
             return
-        mb.held[self.name] = (extended, rows, n_docs)
         c, labels_BS = self.obj.context, extended.labels_BS
         mb.inputs = extended.model_inputs()
         mb.labels_BS = labels_BS if c is None else c.local(labels_BS)
@@ -44,41 +44,44 @@ class Contrast(Term):
             extra_N = extended.patches_NP.shape[0] - mask_N.shape[0]
             mb.kwargs["ssl_mask_N"] = torch.cat([mask_N, mask_N.new_zeros(extra_N)])
 
-    def _extend(self, mb: MicroBatch) -> tuple[PackedBatch, ContrastRows | None, int | None]:
-        """(the forward's rows, its ContrastRows or None, the mean's divisor or None). A pipeline's
-        row part of a batch (`mb.share_of`): the batch extended whole, once (its donors), and this
-        part's rows with their copies; one process's forward (`mb.ref`) and document count are the
-        batch's."""
+    def _extend(self, mb: MicroBatch) -> tuple[PackedBatch, ContrastRows | None, int]:
+        """(the forward's rows, its ContrastRows or None, this rank's batch's contrasted documents).
+        A pipeline's row part of a batch (`mb.share_of`): the batch extended whole, once (its
+        donors), and this part's rows with their copies; one process's forward (`mb.ref`) and
+        document count are the batch's."""
         own = mb.batch if mb.whole is None else mb.whole
         if mb.share_of is None:
-            return (*extend(own), None)
+            extended, rows = extend(own)
+            return extended, rows, 0 if rows is None else document_count(rows)
         if self._step_batch is not mb.share_of:
             self._step_batch, self._step = mb.share_of, extend(mb.share_of)
         extended, rows = self._step
+        if rows is None:
+            return own, None, 0
         mb.ref = extended.model_inputs()
-        copies, mine = (None, None) if rows is None else part_rows(extended, rows, mb.share_rows.start,
-                                                                   mb.share_rows.stop)
-        if mine is None:
-            return own, None, None
-        return cat_rows(own, copies), mine, document_count(rows)
+        copies, mine = part_rows(extended, rows, mb.share_rows.start, mb.share_rows.stop)
+        return (own, None, document_count(rows)) if mine is None else (cat_rows(own, copies), mine,
+                                                                         document_count(rows))
+
+    def row_count(self, mb: MicroBatch) -> int:
+        return mb.held[self.name][2]
 
     def loss(self, mb: MicroBatch) -> torch.Tensor | None:
-        extended, rows, n_docs = mb.held.pop(self.name, (None, None, None))
+        extended, rows, _ = mb.held.pop(self.name)
         if rows is None:
             return None
         ce_swap_RS, _ = mb.head.ce(mb.rows, extended.labels_BS.shape[0])
         c = self.obj.context  # cp / tp: this rank's chunk of the rows, the hinge the group's
+        n_docs = at_least_one(mb.row_counts[self.name])  # the global batch's documents
         term = contrast_term(mb.losses.ce_BS, ce_swap_RS, rows, self.cfg.margin, mb.sums.contrast, c, n_docs)
-        if c is None:
-            return self.cfg.weight * term / mb.world  # a mean per rank, as visual_ssl
         # cp / tp: every rank of the group holds the hinge's value, its gradient through its own tokens
-        # only. As visual_next's chunk shares, the group's values add up to one hinge x size / world and
-        # its gradients to the hinge's x size / world: a value share of 1 / size, the gradient x size
-        size = c.comm.size
-        return self.cfg.weight * (size * term - (size - 1) * term.detach()) / mb.world
+        # only: a value share of 1 / size, the gradient whole (each rank's tokens' part of it)
+        size = 1 if c is None else c.comm.size
+        mb.sums.contrast.term += term.detach().double() / size
+        return self.cfg.weight * (term if size == 1 else (size * term - (size - 1) * term.detach()) / size)
 
     @classmethod
     def report(cls, loss_cfg, total, accum: int, world: int, rep: Reported) -> None:
         if loss_cfg.contrast.weight:  # the step's mean hinge (before the weight)
-            rep.terms["contrast"] = total.contrast.term / (accum * world)
+            rep.terms["contrast"] = total.contrast.term / accum  # the ranks' shares add up
         rep.figures["contrast_stats"] = total.contrast.figures()

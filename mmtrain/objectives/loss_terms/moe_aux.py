@@ -1,11 +1,11 @@
 """The model's auxiliary losses (MoE sequence balance, router z-loss): always on when the model has
-them; means over rows / token slots, so each rank adds its share 1 / world.
-
-A pipeline's micro-batch may be a part of the forward one process runs (a row part of the batch,
-rows of padding to the stages' fixed shape: `mb.ref`, that forward's inputs): then each mean is
-rescaled to that forward's divisor -- the z-loss's token slots (rows x S) and the sequence balance's
-rows with a real token -- so the parts add up to one process's terms. (Exact when the experts form
-one group; with modality groups a row counts per group, and the balance's parts are approximate.)"""
+them. Each is a mean over this forward's rows with a real token (the balance) or its token slots
+(the z-loss); a rank's term is that mean times its forward's share of the global batch's rows /
+slots, so the ranks' terms add up to one process's means over the global batch, whatever rows each
+forward holds (the contrast's copies, a pipeline's row parts and padding rows: the divisors are of
+`mb.ref`, the forward one process runs). The ranks of a row's cp x tp group hold its chunks: each
+adds 1 / (cp x tp). (Exact when the experts form one group; with modality groups a row counts per
+group, and the balance is approximate.)"""
 
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ class MoEAux(Term):
     def enabled(cls, loss_cfg) -> bool:
         return True
 
+    def row_count(self, mb: MicroBatch) -> tuple:
+        return _rows(mb.inputs if mb.ref is None else mb.ref)
+
     def loss(self, mb: MicroBatch) -> list[torch.Tensor]:
-        aux, n = mb.out.aux_losses, mb.world
-        if mb.ref is not None:
-            (rows, real), (ref_rows, ref_real) = _rows(mb.inputs), _rows(mb.ref)
-            scale = {"router_z": rows / ref_rows, "moe_seq_balance": real / ref_real.clamp(min=1)}
-            return [value * scale[name] / n for name, value in aux.items()]
-        return [value / n if n > 1 else value for value in aux.values()]
+        (rows, real), (all_rows, all_real) = _rows(mb.inputs), mb.row_counts[self.name]
+        seq = self.obj.cfg.dist.cp * self.obj.cfg.dist.tp
+        share = {"router_z": rows / (all_rows * seq), "moe_seq_balance": real / (all_real * seq).clamp(min=1)}
+        return [value * share[name] for name, value in mb.out.aux_losses.items()]

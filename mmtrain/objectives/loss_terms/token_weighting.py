@@ -5,10 +5,13 @@ hands each micro-batch its blank CE (and a row part its batch's reliance sums) i
 
 from __future__ import annotations
 
+import torch
+
 from mmtrain.objectives.heads import head_weight
 from mmtrain.objectives.loss_terms.base import MicroBatch, Reported, Term, register
-from mmtrain.objectives.terms import TaskLosses
+from mmtrain.objectives.terms import MEDIA_TASK_IDS, TaskLosses, reliance_sums
 from mmtrain.objectives.token_weighting import TokenWeighting, TokenWeightingConfig, TokenWeightingSums
+from mmtrain.parallel.distributed import all_reduce
 
 
 @register
@@ -37,6 +40,15 @@ class TokenWeightingTerm(Term):
 
     def reweight(self, mb: MicroBatch, losses: TaskLosses) -> TaskLosses:
         blank_BS, totals = mb.held.pop(self.name, None), mb.held.pop("reliance_sums", None)
+        obj = self.obj
+        if totals is None and obj.env.distributed:  # (a pipeline's come with the micro-batch)
+            # the per-task reliance means over the global batch, as one process's: every rank joins
+            # (zeros where it has no media row); a row's cp / tp chunks hold distinct tokens
+            batch = mb.batch
+            totals = (torch.zeros(2, len(MEDIA_TASK_IDS), dtype=torch.float64, device=obj.device)
+                      if blank_BS is None else reliance_sums(losses.ce_BS.detach(), blank_BS, batch.labels_BS,
+                                                             batch.task_BS, self.cfg.floor))
+            totals = all_reduce(totals, obj.env)
         return losses if blank_BS is None else self.tw.reweight(losses, blank_BS, mb.batch,
                                                                 mb.sums.token_weighting, totals)
 

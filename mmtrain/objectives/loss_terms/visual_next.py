@@ -9,7 +9,7 @@ import torch
 
 from mmtrain.checks import check
 from mmtrain.models.visual_next import chunk_pairs, target_count
-from mmtrain.objectives.loss_terms.base import MicroBatch, Reported, Term, register
+from mmtrain.objectives.loss_terms.base import MicroBatch, Reported, Term, at_least_one, register
 from mmtrain.objectives.terms import visual_next_loss
 
 
@@ -36,31 +36,31 @@ class VisualNext(Term):
     def before_forward(self, mb: MicroBatch) -> None:
         mb.kwargs["visual_next"] = True
 
+    def row_count(self, mb: MicroBatch) -> int:
+        """Target values of the forward's media (with the contrast, the copies'; a pipeline's row
+        part: its batch's, `mb.ref`): the mean's divisor, summed over the data-parallel ranks."""
+        vision = self.obj.cfg.model.vision
+        grid_M3 = (mb.inputs if mb.ref is None else mb.ref)["grid_thw_M3"]
+        return target_count(grid_M3, vision.merge, vision.merge ** 2 * vision.patch_dim)
+
     def loss(self, mb: MicroBatch) -> torch.Tensor | None:
         if mb.out.visual_next_KT is None:
             return None
-        # a mean over this rank's predicted tokens (the forward's media: with the contrast, the copies')
-        # a part of one process's forward (a pipeline's row part, `mb.ref`): its squared errors over
-        # that forward's count, so the parts add up
-        pred_KT = mb.out.visual_next_KT
-        count = None if mb.ref is None else target_count(
-            mb.ref["grid_thw_M3"], self.obj.cfg.model.vision.merge, pred_KT.shape[-1])
-        vn = self._term(pred_KT, mb.inputs, count)
+        # this rank's squared errors (its chunk's under cp / tp) over the global count: the ranks'
+        # terms add up to one process's mean over the global batch
+        vn = self._term(mb.out.visual_next_KT, mb.inputs, at_least_one(mb.row_counts[self.name]))
         mb.sums.visual_next += vn.detach().double()
-        return self.cfg.weight * vn / mb.world
+        return self.cfg.weight * vn
 
-    def _term(self, pred_KT: torch.Tensor, inputs: dict, count: int | None = None) -> torch.Tensor:
-        """Context parallelism: its chunk's squared errors over the group's count, times the group
-        size -- so that the group's terms over `world` add up to the rows' mean over data-parallel
-        ranks, as a mean per rank does without it."""
+    def _term(self, pred_KT: torch.Tensor, inputs: dict, count) -> torch.Tensor:
+        """Context parallelism: the pairs of this rank's chunk of the rows (`chunk_pairs`)."""
         merge, c = self.obj.cfg.model.vision.merge, self.obj.context
         keep_K = None if c is None else chunk_pairs(inputs["modality_BS"], inputs["grid_thw_M3"], merge,
                                                     c.lo, c.hi)[2]
-        vn = visual_next_loss(pred_KT, inputs["patches_NP"], inputs["grid_thw_M3"], merge,
-                              self.cfg.normalize, keep_K, count)
-        return vn if c is None else vn * c.comm.size
+        return visual_next_loss(pred_KT, inputs["patches_NP"], inputs["grid_thw_M3"], merge,
+                                self.cfg.normalize, keep_K, count)
 
     @classmethod
     def report(cls, loss_cfg, total, accum: int, world: int, rep: Reported) -> None:
         on = loss_cfg.visual_next.weight
-        rep.terms["visual_next"] = total.visual_next / (accum * world) if on else None
+        rep.terms["visual_next"] = total.visual_next / accum if on else None  # the ranks' shares add up

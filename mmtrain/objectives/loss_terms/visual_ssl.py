@@ -8,7 +8,7 @@ import torch
 
 from mmtrain.checks import check
 from mmtrain.models.vision import make_ssl_mask
-from mmtrain.objectives.loss_terms.base import MicroBatch, Reported, Term, register
+from mmtrain.objectives.loss_terms.base import MicroBatch, Reported, Term, at_least_one, register
 from mmtrain.objectives.terms import row_media
 
 
@@ -36,25 +36,35 @@ class VisualSSL(Term):
     def before_forward(self, mb: MicroBatch) -> None:
         mb.kwargs["ssl_mask_N"] = self._mask(mb)
 
+    def row_count(self, mb: MicroBatch) -> torch.Tensor:
+        """Masked patches of this rank's batch (a row part: its batch's): the mean's divisor."""
+        return mb.held[self.name][1]
+
     def loss(self, mb: MicroBatch) -> torch.Tensor | None:
+        mine, _ = mb.held.pop(self.name)
         if mb.out.visual_ssl is None:
             return None
-        ssl = mb.out.visual_ssl
-        if mb.share_of is not None:  # a pipeline's row part: its patches' mean x its share of the
-            ssl = ssl * mb.held.pop(self.name)  # batch's masked patches, so the parts add up
+        # the forward's mean x its masked patches over the global batch's: the data-parallel ranks'
+        # terms add up to one process's mean; the ranks of a row's cp x tp group encode the same
+        # media (the same mask), so each adds 1 / (cp x tp) of it
+        seq = self.obj.cfg.dist.cp * self.obj.cfg.dist.tp
+        ssl = mb.out.visual_ssl * mine / at_least_one(mb.row_counts[self.name]) / seq
         mb.sums.visual_ssl += ssl.detach().double()  # a tensor: read at the step's end
-        return self.cfg.weight * ssl / mb.world  # a mean per rank: gradients average it
+        return self.cfg.weight * ssl
 
     def _mask(self, mb: MicroBatch) -> torch.Tensor:
         """Which patches the term hides: a pure function of (seed, step, data-parallel rank, batch),
         so the ranks of a cp group, which encode the same media, hide the same ones. A pipeline's
-        row part of a batch hides the batch's mask's patches of its rows (one process's)."""
+        row part of a batch hides the batch's mask's patches of its rows (one process's). Its
+        masked count and its batch's -> mb.held."""
         if mb.share_of is None:
-            return self._batch_mask(mb.batch)
+            mask_N = self._batch_mask(mb.batch)
+            mb.held[self.name] = (mask_N.sum(), mask_N.sum())
+            return mask_N
         whole_N = self._batch_mask(mb.share_of)
         rows_R = torch.arange(mb.share_rows.start, mb.share_rows.stop, device=whole_N.device)
         mask_N = whole_N[row_media(mb.share_of, rows_R)[1]]
-        mb.held[self.name] = mask_N.sum() / whole_N.sum().clamp(min=1)  # this part's masked share
+        mb.held[self.name] = (mask_N.sum(), whole_N.sum())
         return mask_N
 
     def _batch_mask(self, batch) -> torch.Tensor:
@@ -66,4 +76,5 @@ class VisualSSL(Term):
 
     @classmethod
     def report(cls, loss_cfg, total, accum: int, world: int, rep: Reported) -> None:
-        rep.terms["visual_ssl"] = total.visual_ssl / (accum * world) if loss_cfg.visual_ssl.weight else None
+        # the ranks' shares add up to the step's mean
+        rep.terms["visual_ssl"] = total.visual_ssl / accum if loss_cfg.visual_ssl.weight else None
