@@ -186,7 +186,8 @@ def take_rows(batch: PackedBatch, rows_R: torch.Tensor) -> PackedBatch:
     media_ids_RS = batch.media_ids_BS[rows_R].long()
     keep_M, keep_N = row_media(batch, rows_R)
     new_id_M = keep_M.long().cumsum(0) - 1
-    renumbered_RS = torch.where(media_ids_RS >= 0, new_id_M[media_ids_RS.clamp(min=0)], -1)
+    renumbered_RS = (torch.where(media_ids_RS >= 0, new_id_M[media_ids_RS.clamp(min=0)], -1)
+                     if len(new_id_M) else media_ids_RS)  # a batch without media: all -1 already
     return PackedBatch(
         tokens_BS=batch.tokens_BS[rows_R], labels_BS=batch.labels_BS[rows_R],
         doc_ids_BS=batch.doc_ids_BS[rows_R], span_ids_BS=batch.span_ids_BS[rows_R],

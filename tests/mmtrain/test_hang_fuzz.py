@@ -23,7 +23,7 @@ TP_HEADS = ["model.decoder.n_kv_heads=2"]  # a tp rank holds whole KV groups
 ALL_TERMS = ["loss.contrast.weight=1", "loss.token_weighting.strength=0.5"]
 BASE = ["dist.timeout_s=15", "model.visual_head=true", "loss.visual_next.weight=1",
         "model.decoder.ffn_chunk=96", "model.decoder.attention.full_tile=16", "data.batch_size=2"]
-PP = ["dist.pp=2", "train.grad_accum=2", "loss.visual_next.weight=0"]  # 2 micro-batches: one a stage
+PP = ["dist.pp=2", "train.grad_accum=2"]  # 2 micro-batches: one a stage
 MESHES = {  # (ranks, overrides)
     "fsdp2": (2, [*ALL_TERMS, "vision.balance=dp"]),  # media exchanged: a rank may hold none
     "hsdp2x2-ep2": (4, ["dist.dp_replicate=2", "dist.ep=2", "dist.activation_checkpointing=true",
@@ -36,12 +36,15 @@ MESHES = {  # (ranks, overrides)
     # a data rank without media joins the others' blank pass with the pad batch, split over its cp group
     "fsdp2-cp2-ep2": (4, ["dist.cp=2", "dist.ep=2", "dist.activation_checkpointing=true",
                           "loss.token_weighting.strength=0.5"]),
-    # tp: the sequence chunk is the (cp, tp) group's, so `tail` leaves the last tp rank padding only;
-    # tp refuses vision.balance (check_tp)
+    # tp: the sequence chunk is the (cp, tp) group's, so `tail` leaves the last tp rank padding only
     "tp2": (2, ["dist.tp=2", *TP_HEADS, *ALL_TERMS]),
     # pp: the two data ranks' micro-batches differ (all-padding, media-free) while each pipeline's two
-    # stages read the same ones; visual_next is refused at pp (check_pipeline_objective)
-    "pp2-fsdp2": (4, [*PP]),
+    # stages read the same ones; the contrast pads every forward to twice its rows (a micro-batch
+    # without media: all padding copies), token weighting's frozen passes and the reduce of their sums
+    # join on every stage, the whole-row counts' all-reduce on every rank
+    "pp2-fsdp2": (4, [*PP, *ALL_TERMS]),
+    # grad_accum 1: each batch's 2 rows in the schedule's 2 row parts (one of them may hold no media)
+    "pp2-fsdp2-row-parts": (4, ["dist.pp=2", "train.grad_accum=1", *ALL_TERMS]),
     # MoE's chunk count (BASE's ffn_chunk) is agreed over the stage, not the world: the other stage
     # runs other layers (it hung at the first step when it was the world)
     "pp2-ep2": (4, [*PP, "dist.ep=2"]),

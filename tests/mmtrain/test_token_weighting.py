@@ -128,6 +128,16 @@ def test_take_rows_keeps_the_rows_logits_and_renumbers_their_media(weighted, bat
     torch.testing.assert_close(part_RSV, full_RSV, rtol=1e-5, atol=1e-5)
 
 
+def test_take_rows_of_a_batch_without_media():
+    """A pipeline's row part of a media-free batch (the hang fuzz's): the rows, no media, no error."""
+    from mmtrain.objectives.terms import cat_rows, dummy_batch
+
+    batch = cat_rows(dummy_batch(16, 12), dummy_batch(16, 12))
+    part = take_rows(batch, torch.tensor([1]))
+    assert part.tokens_BS.shape == (1, 16) and (part.media_ids_BS == -1).all()
+    assert part.grid_thw_M3.shape == (0, 3) and part.patches_NP.shape == (0, 12)
+
+
 def _snapshot(trainer: Trainer) -> dict:
     named = [*trainer.raw_model.named_parameters(), *trainer.raw_model.named_buffers()]
     return {"tensors": {k: v.detach().clone() for k, v in named},
