@@ -73,3 +73,32 @@ def test_the_plans_stage_bytes_are_the_trainers(gpus):
     for rank in (0, gpus - 1):  # the first stage's first rank, the last stage's last
         plan = make_plan("configs/tiny.yaml", gpus, "h100", sets, rank=rank)
         assert plan["memory"]["by_category"]["parameters"] == _stage_bytes(sets, gpus, rank), rank
+
+
+@pytest.mark.parametrize("schedule, accum, rows, want", [
+    ("1F1B", 1, 8, (2, 4)),  # configs/tiny.yaml at dist.pp 2: each batch split in two
+    ("1F1B", 2, 8, (2, 8)),  # grad_accum gives enough
+    ("DualPipeV", 1, 8, (4, 2)),  # one a stage: 2 x pp
+    ("1F1B", 1, 3, (3, 1)),  # the fewest parts that divide the rows
+])
+def test_the_plan_splits_batches_into_the_trainers_micro_batches(schedule, accum, rows, want):
+    """The plan's micro-batches (count, rows) are the trainer's row parts (`pipeline.row_parts`)."""
+    from mmtrain.config import load_config
+    from mmtrain.parallel.dims import ParallelDims
+    from mmtrain.plan.pipe import stage_plan
+    from mmtrain.run_config import RunConfig
+
+    sets = ["dist.pp=2", f"dist.pp_schedule={schedule}", f"train.grad_accum={accum}",
+            f"data.batch_size={rows}", "model.decoder.vocab_size=512"]
+    cfg = load_config(RunConfig, "configs/tiny.yaml", sets)
+    info = stage_plan(cfg, ParallelDims.from_config(cfg.dist, 2))
+    assert (info["microbatches"], info["rows"]) == want
+
+
+def test_rows_that_cannot_fill_the_schedule_are_refused_in_one_line():
+    from mmtrain.errors import UserError
+    from mmtrain.parallel.pipeline import row_parts
+
+    with pytest.raises(UserError, match="data.batch_size") as e:
+        row_parts("DualPipeV", 2, 1, 1)  # one row cannot make 4 micro-batches
+    assert "\n" not in str(e.value)
