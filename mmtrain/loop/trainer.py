@@ -49,6 +49,7 @@ from mmtrain.loop.logger import RunLogger
 from mmtrain.loop.perf import Throughput, peak_tflops
 from mmtrain.loop.train_module import build_train_module
 from mmtrain.objectives.balance import build_balancer
+from mmtrain.objectives.contrast_donors import donor_exchange
 from mmtrain.objectives.curriculum import Curriculum, stage_data
 from mmtrain.objectives.mixture import MixController
 from mmtrain.objectives.objective import Objective
@@ -108,7 +109,8 @@ class Trainer:
         self.objective = Objective(cfg, head or self.model, self.balancer, env=self.env, device=self.device,
                                    raw_model=head or self.raw_model, dp_rank=self.dims.dp_rank,
                                    cp_rank=self.dims.seq_rank, context=self.context, autocast=self.autocast,
-                                   pp=self.dims.pp)
+                                   pp=self.dims.pp,
+                                   donors=donor_exchange(self.dims) if cfg.loss.contrast.weight else None)
         tm.bind(self.objective)
         self._val_cache: list[PackedBatch] | None = None
         self.verbose = verbose

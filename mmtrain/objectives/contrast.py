@@ -70,13 +70,18 @@ class ContrastRows:
     doc_ids_RS: torch.Tensor  # (R, S) the copies' document ids
 
 
-def extend(batch: PackedBatch) -> tuple[PackedBatch, ContrastRows | None]:
+def extend(batch: PackedBatch, donors=None) -> tuple[PackedBatch, ContrastRows | None]:
     """`batch` with swapped-media copies of its rows that have something to contrast appended;
-    (batch, None) when none has (no media task here, or no medium with a foreign donor)."""
+    (batch, None) when none has (no media task here, or no medium with a foreign donor). `donors`
+    (data parallelism, contrast_donors.py): the donors one process would pick over every data
+    rank's rows; every rank joins its collectives, with or without media rows."""
     rows_R = media_tokens(batch.labels_BS, batch.task_BS).any(1).nonzero().squeeze(1)
+    if donors is None and not len(rows_R):
+        return batch, None
+    swap = mismatch_media if donors is None else donors.mismatch_media
+    copy, swapped_RS = swap(take_rows(batch, rows_R))
     if not len(rows_R):
         return batch, None
-    copy, swapped_RS = mismatch_media(take_rows(batch, rows_R))
     selected_RS = swapped_RS & media_tokens(copy.labels_BS, copy.task_BS)
     useful_R = selected_RS.any(1)
     if not useful_R.any():

@@ -39,34 +39,55 @@ def mismatch_media(batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor]:
     for no document). Deterministic: no random numbers.
     """
     B, S = batch.doc_ids_BS.shape
-    M = batch.media_kind_M.shape[0]
     swapped_BS = torch.zeros(B, S, dtype=torch.bool, device=batch.doc_ids_BS.device)
-    if M == 0:
+    if batch.media_kind_M.shape[0] == 0:
         return batch, swapped_BS
-    key_BS = document_keys(batch.doc_ids_BS)  # the document of each medium, from its placeholders
-    visual_BS = (batch.media_ids_BS >= 0) & (batch.doc_ids_BS >= 0)
-    doc_M = torch.full((M,), -1, dtype=torch.long, device=key_BS.device)  # -1: no tokens
-    doc_M = doc_M.scatter_(0, batch.media_ids_BS[visual_BS].long(), key_BS[visual_BS]).tolist()
+    doc_M = media_documents(batch)
     grids = [tuple(g) for g in batch.grid_thw_M3.tolist()]
-    kinds = batch.media_kind_M.tolist()
+    source_M = media_sources(doc_M, batch.media_kind_M.tolist(), grids)
+    moved = {doc_M[m] for m, src in enumerate(source_M) if src != m}
+    if not moved:
+        return batch, swapped_BS
+    index_N = torch.cat([block for _, block in media_blocks(batch.grid_thw_M3, source_M)])
+    return (replace(batch, patches_NP=batch.patches_NP[index_N.to(batch.patches_NP.device)]),
+            swapped_tokens(batch, moved))
+
+
+def media_documents(batch: PackedBatch) -> list[int]:
+    """Each medium's document key (`document_keys`, from its placeholders); -1: no visual tokens."""
+    key_BS = document_keys(batch.doc_ids_BS)
+    visual_BS = (batch.media_ids_BS >= 0) & (batch.doc_ids_BS >= 0)
+    doc_M = torch.full((batch.media_kind_M.shape[0],), -1, dtype=torch.long, device=key_BS.device)
+    return doc_M.scatter_(0, batch.media_ids_BS[visual_BS].long(), key_BS[visual_BS]).tolist()
+
+
+def media_sources(doc_M: list[int], kinds: list[int], grids: list[tuple]) -> list[int]:
+    """medium -> the medium whose pixels it takes (itself: kept), grouped by (kind, grid) (see
+    mismatch_media). A pure function of the media's documents, kinds and grids: the same list over
+    all of a global batch's media gives every data rank one process's donors (contrast_donors.py)."""
     groups: dict[tuple, list[int]] = {}
-    for m in range(M):
-        if doc_M[m] >= 0:
+    for m, doc in enumerate(doc_M):
+        if doc >= 0:
             groups.setdefault((kinds[m], *grids[m]), []).append(m)
-    source_M = list(range(M))
+    source_M = list(range(len(doc_M)))
     for members in groups.values():
         for m, src in _cross_document_sources(members, doc_M).items():
             source_M[m] = src
-    moved = [m for m in range(M) if source_M[m] != m]
-    if not moved:
-        return batch, swapped_BS
-    sizes_M = [t * h * w for t, h, w in grids]
+    return source_M
+
+
+def media_blocks(grid_thw_M3: torch.Tensor, media: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """[(medium, its patch indices)] for `media` (indices into the batch's media, any order)."""
+    sizes_M = grid_thw_M3.long().prod(-1).tolist()
     starts_M = [0, *itertools.accumulate(sizes_M)]
-    index_N = torch.cat([torch.arange(starts_M[s], starts_M[s] + sizes_M[s]) for s in source_M])
-    patches_NP = batch.patches_NP[index_N.to(batch.patches_NP.device)]
-    docs = torch.tensor(sorted({doc_M[m] for m in moved}), device=key_BS.device)
-    swapped_BS = torch.isin(key_BS, docs) & (batch.doc_ids_BS >= 0)
-    return replace(batch, patches_NP=patches_NP), swapped_BS
+    return [(m, torch.arange(starts_M[m], starts_M[m] + sizes_M[m])) for m in media]
+
+
+def swapped_tokens(batch: PackedBatch, docs: set[int]) -> torch.Tensor:
+    """(B, S) bool: the tokens of the documents `docs` (keys: those with a medium from elsewhere)."""
+    key_BS = document_keys(batch.doc_ids_BS)
+    docs_D = torch.tensor(sorted(docs), dtype=torch.long, device=key_BS.device)
+    return torch.isin(key_BS, docs_D) & (batch.doc_ids_BS >= 0)
 
 
 def _cross_document_sources(members: list[int], doc_M: list[int]) -> dict[int, int]:

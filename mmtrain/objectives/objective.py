@@ -132,7 +132,8 @@ class Objective:
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, balancer: Balancer, *, env: DistEnv,
                  device: torch.device, raw_model: torch.nn.Module | None = None, dp_rank: int = 0,
-                 cp_rank: int = 0, context=None, autocast: Callable = contextlib.nullcontext, pp: int = 1):
+                 cp_rank: int = 0, context=None, autocast: Callable = contextlib.nullcontext, pp: int = 1,
+                 donors=None):
         self.cfg, self.model, self.raw_model = cfg, model, raw_model or model
         self.balancer, self.env, self.device, self.autocast = balancer, env, device, autocast
         self.dp_rank, self.cp_rank, self.context = dp_rank, cp_rank, context  # context: a CP shard
@@ -145,6 +146,7 @@ class Objective:
         # ranks that read the same rows and compute the same tokens (pipeline stages; dist.pp): the
         # data's world is the rest, and a count all-reduced over the whole world counts each row pp times
         self.pp = pp
+        self.donors = donors  # the contrast's donors over the data ranks (contrast_donors.py), or None
 
     @property
     def data_world(self) -> int:

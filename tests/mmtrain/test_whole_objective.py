@@ -1,12 +1,12 @@
 """The collapse cure at every mesh: configs/tiny.yaml's own objective (next-visual-token term, z-loss,
 MoE aux) plus the mismatch contrast and token weighting, at grad_accum 1, gives one process's losses,
-gradient norms and expert biases on the same rows over 5 steps, with the sparse layers selecting
-(at FSDP(2) x CP(2) x EP(2) without the contrast, whose donors are each data rank's own rows).
+gradient norms and expert biases on the same rows over 5 steps, with the sparse layers selecting.
 
 Every term's mean is one process's over the global batch at any mesh: task and z-loss counts and the
 terms' whole-row divisors (visual targets, contrasted documents, masked patches) are summed over the
 data-parallel ranks before the forward (`Objective._row_counts`), token weighting's per-task means
-over the ranks' tokens, a pipeline's row parts over their batch (loop/pipeline_step.py).
+over the ranks' tokens, a pipeline's row parts over their batch (loop/pipeline_step.py), and the
+contrast's donors one process's over every data rank's rows (objectives/contrast_donors.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ MESHES = {  # ranks, dist overrides
     "pp2-1f1b": (2, ["dist.pp=2"]),
     "pp2-interleaved": (2, ["dist.pp=2", "dist.pp_schedule=Interleaved1F1B"]),
     "tp2-pp2": (4, ["dist.pp=2", "dist.tp=2"]),
-    # without the contrast: a data rank draws its copies' swapped media from its own rows, one process
-    # from all rows (the donors are a forward's; docs/DISTRIBUTED.md): the runs part from step 2
-    "fsdp2-cp2-ep2": (4, ["dist.cp=2", "dist.ep=2", "loss.contrast.weight=0"]),
+    # the contrast's donors: one process's over both data ranks' rows (contrast_donors.py)
+    "fsdp2-cp2-ep2": (4, ["dist.cp=2", "dist.ep=2"]),
 }
 
 

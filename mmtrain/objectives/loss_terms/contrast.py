@@ -50,11 +50,12 @@ class Contrast(Term):
         donors), and this part's rows with their copies; one process's forward (`mb.ref`) and
         document count are the batch's."""
         own = mb.batch if mb.whole is None else mb.whole
+        donors = self.obj.donors
         if mb.share_of is None:
-            extended, rows = extend(own)
+            extended, rows = extend(own, donors)
             return extended, rows, 0 if rows is None else document_count(rows)
         if self._step_batch is not mb.share_of:
-            self._step_batch, self._step = mb.share_of, extend(mb.share_of)
+            self._step_batch, self._step = mb.share_of, extend(mb.share_of, donors)
         extended, rows = self._step
         if rows is None:
             return own, None, 0
