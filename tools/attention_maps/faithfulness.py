@@ -9,7 +9,7 @@ box, per slice for video) are knocked out. Aggregates per method (ratio of sums 
   deletion_z       (deletion AUC - the random orders') / the spread of the random orders' over draws;
   oracle_ratio     deletion AUC / the box oracle's (NaN where the oracle's is not positive);
   insertion_20     (lp with only the top 20% kept - lp all masked) / (full - all masked);
-  insertion_auc    insertion AUC / (full - all masked).
+  insertion_auc    insertion AUC / (full - all masked) (both NaN where the medium is worth <= 0).
 
 Legend: W words, N random draws, F fractions, V visual tokens, t/h/w the medium's merged token grid.
 """
@@ -118,6 +118,9 @@ def summarize(words: list[ScoredWord], methods: list[str], rng: np.random.Genera
                       "deletion_curve_95": _random_band(cs, full_W)},
            "oracle": {"deletion_auc": float(oracle_W.mean()),
                       "deletion_curve": _mean_drop(cs, ORACLE, full_W)}}
+    # insertion's shares of what the medium is worth: undefined (NaN) where it is worth nothing or
+    # less to the words (masking it all helps them: a shuffled model), not a division by ~0
+    worth = gap_W.sum() if gap_W.sum() > 0 else float("nan")
     for k in [*methods, ORACLE]:
         del_W = np.array([deletion_auc(c.full, c.deletion[k]) for c in cs])
         ins_W = np.array([insertion_auc(c.empty, c.insertion[k]) for c in cs])
@@ -127,8 +130,8 @@ def summarize(words: list[ScoredWord], methods: list[str], rng: np.random.Genera
             "deletion_auc": float(del_W.mean()), "deletion_ratio": ratio, "deletion_ratio_95": [lo, hi],
             "deletion_z": excess_z(del_W, rnd_WN),
             "oracle_ratio": float(del_W.sum() / oracle_W.sum()) if oracle_W.sum() > 0 else float("nan"),
-            "insertion_auc": float(ins_W.sum() / max(gap_W.sum(), 1e-12)),
-            "insertion_20": float(sum(c.insertion[k][i20] - c.empty for c in cs) / max(gap_W.sum(), 1e-12)),
+            "insertion_auc": float(ins_W.sum() / worth),
+            "insertion_20": float(sum(c.insertion[k][i20] - c.empty for c in cs) / worth),
             "deletion_curve": _mean_drop(cs, k, full_W),
             "insertion_curve": [float(np.mean([c.insertion[k][i] - c.empty for c in cs]))
                                 for i in range(len(FRACS))],

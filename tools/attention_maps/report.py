@@ -141,10 +141,11 @@ def write_report(path: Path, title: str, intro: str, metrics: dict, figures: lis
             pointing_table(pg["predictor"]["summary"], layers)]
     if "faithfulness" in metrics:
         faith = metrics["faithfulness"]
-        body += ["<h2>Knockout faithfulness</h2><p class=note>Each method's map ranks the medium's visual "
-                 "tokens for a word (its predictor rows); the top k% are masked as keys for every query in "
-                 "every layer and the word's log-probability drop is measured, against random orders and the "
-                 "box oracle; insertion masks the whole medium and restores the top k%. Default method: "
+        body += ["<h2 id=faithfulness>Knockout faithfulness</h2><p class=note>Each method's map ranks the "
+                 "medium's visual tokens for a word (its predictor rows); the top k% are masked as keys for "
+                 "every query in every layer and the word's log-probability drop is measured, against "
+                 "random orders and the box oracle; insertion masks the whole medium and restores the top "
+                 "k%. Default method: "
                  f"<b>{html.escape(faith['default'])}</b>; most faithful here: "
                  f"{html.escape(faith['best'])}.</p>",
                  faith_report.table(faith), faith_report.video_note(faith)]
