@@ -67,8 +67,8 @@ class DonorExchange:
         send = [[source[g] - first[me] for g in range(first[q], ends[q]) if owner[source[g]] == me]
                 for q in range(self.size)]
         send[me] = []
-        blocks = dict(media_blocks(rows.grid_thw_M3, sorted({m for s in send for m in s})))
-        out_parts = [rows.patches_NP[blocks[m].to(rows.patches_NP.device)] for s in send for m in s]
+        own = dict(media_blocks(rows.grid_thw_M3, list(range(ends[me] - first[me]))))  # patch indices
+        out_parts = [rows.patches_NP[own[m].to(rows.patches_NP.device)] for s in send for m in s]
         in_P = [sum(size[first[me] + m] for m in s) for s in send]
         out_P = [sum(size[source[g]] for g in range(first[me], ends[me]) if owner[source[g]] == q)
                  if q != me else 0 for q in range(self.size)]
@@ -76,9 +76,8 @@ class DonorExchange:
         got_NP = rows.patches_NP.new_empty(sum(out_P), P)
         all_to_all_single(got_NP, sent_NP.contiguous(), out_P, in_P, self.group)
         # this rank's media in order: its own source's patches, or the next block from its owner
-        got = dict(zip(range(self.size), got_NP.split(out_P)))
+        got = got_NP.split(out_P)  # per peer
         taken = [0] * self.size
-        own = dict(media_blocks(rows.grid_thw_M3, list(range(ends[me] - first[me]))))
         parts = []
         for g in range(first[me], ends[me]):
             q, s = owner[source[g]], source[g]

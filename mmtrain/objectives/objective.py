@@ -196,7 +196,7 @@ class Objective:
         counted = batch if share_of is None else (
             share_of if self.context is None else local_targets(share_of, self.context))
         counts_T = self._global_counts(counted) if world > 1 or share_of is not None else None
-        mb = MicroBatch(batch, inputs, sums, counts_T, world, whole=whole, share_of=share_of,
+        mb = MicroBatch(batch, inputs, sums, counts_T, whole=whole, share_of=share_of,
                         share_rows=share_rows, ref=None if share_of is None else share_of.model_inputs())
         for term in self.terms:
             term.before_forward(mb)

@@ -21,7 +21,6 @@ that adds nothing to any sum: a rank short of batches forwards it when forwards 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -133,24 +132,20 @@ def reliance_sums(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, labels_BS
 @torch.no_grad()
 def reliance_weights(ce_real_BS: torch.Tensor, ce_blank_BS: torch.Tensor, labels_BS: torch.Tensor,
                      task_BS: torch.Tensor, strength: float, floor: float,
-                     group_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
                      totals: torch.Tensor | None = None) -> torch.Tensor:
     """(B, S) fp32 loss weights: 1 except on the media tasks' trained tokens, where
     w = (1 - strength) + strength * r / mean_task(r), r = max(ce_blank - ce_real, 0) + floor.
 
     The mean is over the task's trained tokens here, so each task's weights average 1 and
     its loss keeps its scale; `floor` (nats, > 0) keeps a token the pixels do not help from
-    dropping out, and makes equal deltas give weights of 1. `group_sum` (rows split over a cp / tp
-    group, each rank holding a chunk of them): an in-place sum over the group, of every task's sum
-    of r and token count in one tensor (`reliance_sums`), so the mean is the whole rows'. `totals`
-    (a pipeline's row part of a batch): those sums over the whole batch, given.
+    dropping out, and makes equal deltas give weights of 1. `totals`: every task's sum of r and
+    token count (`reliance_sums`) over the global batch, given (a distributed run's, summed over
+    the ranks: chunks of a cp / tp group, data ranks, a pipeline's row parts); default these rows'.
     """
     r_BS, trained_BS = _reliance(ce_real_BS, ce_blank_BS, floor), labels_BS != IGNORE_INDEX
     sels = [trained_BS & (task_BS == task_id) for task_id in MEDIA_TASK_IDS]  # (B, S) each
     if totals is None:
         totals = reliance_sums(ce_real_BS, ce_blank_BS, labels_BS, task_BS, floor)
-        if group_sum is not None:  # one small all-reduce
-            totals = group_sum(totals)
     r_sums, counts = totals[0].to(r_BS.dtype), totals[1].long()
     w_BS = torch.ones_like(r_BS)
     for sel_BS, r_sum, n in zip(sels, r_sums, counts):

@@ -137,13 +137,12 @@ class TokenWeighting:
     def reweight(self, losses: TaskLosses, ce_blank_BS: torch.Tensor, batch: PackedBatch,
                  sums: TokenWeightingSums, totals: torch.Tensor | None = None) -> TaskLosses:
         """`losses` with the media tasks' tokens weighted by reliance (the sums to optimise). With a
-        context shard, `batch` and the CEs are this rank's chunk and the per-task means the group's.
-        `totals`: the per-task means' sums given (`terms.reliance_sums` over a pipeline's batch)."""
+        context shard, `batch` and the CEs are this rank's chunk. `totals`: the per-task means' sums
+        over the global batch (`terms.reliance_sums`, reduced by the caller in a distributed run)."""
         labels_BS, task_BS = batch.labels_BS, batch.task_BS
         ce_real_BS = losses.ce_BS.detach()
         cfg, c = self.cfg, self.context
-        w_BS = reliance_weights(ce_real_BS, ce_blank_BS, labels_BS, task_BS, cfg.strength, cfg.floor,
-                                None if c is None else c.comm.sum_, totals)
+        w_BS = reliance_weights(ce_real_BS, ce_blank_BS, labels_BS, task_BS, cfg.strength, cfg.floor, totals)
         stats = reliance_stats(ce_real_BS, ce_blank_BS, w_BS, labels_BS, task_BS)
         if c is not None:
             stats.update(self._group_top_decile(w_BS, labels_BS, task_BS))

@@ -49,7 +49,6 @@ class MicroBatch:
     inputs: dict  # the forward's inputs: a term may replace them (the contrast's extra rows)
     sums: Any  # the step's StepSums
     counts_T: torch.Tensor | None  # (tasks + 1,) float64 global trained tokens per task and in all
-    world: int
     kwargs: dict = field(default_factory=dict)  # extra forward keywords (ssl_mask_N, visual_next)
     labels_BS: torch.Tensor | None = None  # the labels of all rows of the forward (None: batch's)
     out: Any = None  # the ModelOutput, after the forward

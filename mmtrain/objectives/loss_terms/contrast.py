@@ -27,7 +27,7 @@ class Contrast(Term):
 
     def __init__(self, obj):
         super().__init__(obj)
-        self._step_batch, self._step = None, (None, None)  # a pipeline's batch, extended whole once
+        self._step_batch, self._step = None, None  # a pipeline's batch: (extended, rows, documents)
 
     def before_forward(self, mb: MicroBatch) -> None:
         # under cp / tp the copies are made of the whole rows (the model reads whole rows) and the
@@ -54,15 +54,16 @@ class Contrast(Term):
         if mb.share_of is None:
             extended, rows = extend(own, donors)
             return extended, rows, 0 if rows is None else document_count(rows)
-        if self._step_batch is not mb.share_of:
-            self._step_batch, self._step = mb.share_of, extend(mb.share_of, donors)
-        extended, rows = self._step
+        if self._step_batch is not mb.share_of:  # the batch's first part: extended and counted once
+            extended, rows = extend(mb.share_of, donors)
+            self._step_batch = mb.share_of
+            self._step = (extended, rows, 0 if rows is None else document_count(rows))
+        extended, rows, n_docs = self._step
         if rows is None:
             return own, None, 0
         mb.ref = extended.model_inputs()
         copies, mine = part_rows(extended, rows, mb.share_rows.start, mb.share_rows.stop)
-        return (own, None, document_count(rows)) if mine is None else (cat_rows(own, copies), mine,
-                                                                         document_count(rows))
+        return (own, None, n_docs) if mine is None else (cat_rows(own, copies), mine, n_docs)
 
     def row_count(self, mb: MicroBatch) -> int:
         return mb.held[self.name][2]

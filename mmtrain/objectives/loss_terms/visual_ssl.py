@@ -59,7 +59,8 @@ class VisualSSL(Term):
         masked count and its batch's -> mb.held."""
         if mb.share_of is None:
             mask_N = self._batch_mask(mb.batch)
-            mb.held[self.name] = (mask_N.sum(), mask_N.sum())
+            n = mask_N.sum()
+            mb.held[self.name] = (n, n)
             return mask_N
         whole_N = self._batch_mask(mb.share_of)
         rows_R = torch.arange(mb.share_rows.start, mb.share_rows.stop, device=whole_N.device)
