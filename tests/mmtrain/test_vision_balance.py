@@ -72,6 +72,21 @@ def test_balanced_encoding_matches_one_process(raw_for, reference, tmp_path, mes
 
 
 HEADS = "model.decoder.n_kv_heads=2"  # a tp rank holds whole KV groups
+
+
+def _off_and_on(raw_for, tmp_path, nproc: int, base: list[str], overrides: list[str]) -> tuple[dict, dict]:
+    """The parity worker at `overrides` with the balance off (its vision.* keys dropped) and on: the
+    same tokens, losses and gradient norms (rel 1e-5); -> (off, on)."""
+    runs = {}
+    for name, sets in (("off", [o for o in overrides if not o.startswith("vision.")]), ("on", overrides)):
+        config = write_config(raw_for, tmp_path / name, [*base, *sets])
+        launch([str(WORKER), "parity", str(config), str(tmp_path / f"{name}.json"), STEPS], nproc=nproc)
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    off, on = runs["off"], runs["on"]
+    assert on["tokens"] == off["tokens"]
+    assert on["loss"] == pytest.approx(off["loss"], rel=1e-5, abs=0)
+    assert on["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-5, abs=0)
+    return off, on
 TP_MESHES = {  # (ranks, rows, overrides); the encoder is replicated over tp, its rows' media on each tp rank
     # dp_cp: each medium once in the world, its tokens to the tp ranks whose chunk reads them
     "tp2-dp_cp": (2, 2, ["dist.tp=2", "vision.balance=dp_cp"]),
@@ -91,15 +106,7 @@ def test_balance_under_tp_matches_it_off_and_spreads_the_encoding(raw_for, tmp_p
     where each tp rank encodes all of its rows' media without it; dp moves media between the data
     ranks of one tp coordinate, so its busiest rank encodes no more than without it."""
     nproc, rows, overrides = TP_MESHES[mesh]
-    runs = {}
-    for name, sets in (("off", [o for o in overrides if not o.startswith("vision.")]), ("on", overrides)):
-        config = write_config(raw_for, tmp_path / name, [f"data.batch_size={rows}", HEADS, *sets])
-        launch([str(WORKER), "parity", str(config), str(tmp_path / f"{name}.json"), STEPS], nproc=nproc)
-        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
-    off, on = runs["off"], runs["on"]
-    assert on["tokens"] == off["tokens"]
-    assert on["loss"] == pytest.approx(off["loss"], rel=1e-5, abs=0)
-    assert on["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-5, abs=0)
+    off, on = _off_and_on(raw_for, tmp_path, nproc, [f"data.batch_size={rows}", HEADS], overrides)
     assert on["expert_bias"] == off["expert_bias"]
     assert on["traffic"].get("vision_tokens", 0) > 0 and on["traffic"]["tp_all_gather"] > 0
     got, was = on["encoded_patches"], off["encoded_patches"]  # per rank, 5 steps
@@ -158,15 +165,7 @@ def test_balance_under_pp_matches_it_off_and_spreads_stage0s_encoding(raw_for, t
     as with the balance off, and each stage-0 rank encodes fewer patches than the busier did without
     it (the stage-1 ranks none: they hold no encoder)."""
     nproc, rows, overrides = PP_MESHES[mesh]
-    runs = {}
-    for name, sets in (("off", [o for o in overrides if not o.startswith("vision.")]), ("on", overrides)):
-        config = write_config(raw_for, tmp_path / name, [f"data.batch_size={rows}", *sets])
-        launch([str(WORKER), "parity", str(config), str(tmp_path / f"{name}.json"), STEPS], nproc=nproc)
-        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
-    off, on = runs["off"], runs["on"]
-    assert on["tokens"] == off["tokens"]
-    assert on["loss"] == pytest.approx(off["loss"], rel=1e-5, abs=0)
-    assert on["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-5, abs=0)
+    off, on = _off_and_on(raw_for, tmp_path, nproc, [f"data.batch_size={rows}"], overrides)
     assert on["traffic"].get("vision_tokens", 0) > 0  # (dp_cp in one tp pair: its rows' media at hand)
     assert on["traffic"].get("vision_patches", 0) > 0 or "dp_cp" in mesh
     got, was = on["encoded_patches"], off["encoded_patches"]  # per rank, 5 steps; ranks 0, 1: stage 0
